@@ -1,0 +1,547 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""An optimizer that steps part of its parameters on the host and the rest in place.
+
+The offloaded share of the parameters is stepped on host copies by ``cpu_optimizer_cls``
+(one sub-optimizer per parameter when D2H/H2D overlap is on, so each can start as soon as
+its gradient has arrived); the rest is stepped where it lives by ``gpu_optimizer_cls``.
+
+Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
+its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
+16-bit ``p``), or ``p`` itself. ``param_to_inner_param`` is that map; step, save and load all
+go through it, so loaded state is cast once, on the device and in the dtype of the inner
+tensor, and the sub-optimizers, host copies and gradient buffers live as long as the
+optimizer does.
+"""
+
+import contextlib
+from collections import defaultdict
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+# Lets tests and tools tell this implementation from upstream's.
+FORK_IMPLEMENTATION = True
+
+# Constructor options of the hybrid optimizer itself. They live in ``defaults`` (so that
+# ``HybridDeviceOptimizer(params, **opt.defaults)`` rebuilds an equivalent optimizer) but
+# never in param groups, which would put classes into checkpoints.
+_HDO_OPTIONS = (
+    "offload_fraction",
+    "cpu_optimizer_cls",
+    "gpu_optimizer_cls",
+    "param_update_in_fp32",
+    "pin_cpu_grads",
+    "pin_cpu_params",
+    "overlap_cpu_optimizer_d2h_h2d",
+)
+
+_MASTER = "master_param"
+
+
+def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
+    """The entries of a param group that a sub-optimizer should follow."""
+    return {k: v for k, v in group.items() if k not in ("params", "step") + _HDO_OPTIONS}
+
+
+def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient Megatron left for ``param`` (precision-aware mode uses ``decoupled_grad``)."""
+    grad = getattr(param, "decoupled_grad", None)
+    return param.grad if grad is None else grad
+
+
+class HybridDeviceOptimizer(torch.optim.Optimizer):
+    """Adam-style optimizer that splits its parameters between host and accelerator.
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer``.
+        offload_fraction: share (by element count) of the accelerator parameters stepped on
+            the host. On a host without an accelerator the share is taken from all parameters,
+            which get plain host copies, so the same bookkeeping runs everywhere.
+        cpu_optimizer_cls: optimizer class for the host copies.
+        gpu_optimizer_cls: optimizer class for the parameters stepped in place.
+        param_update_in_fp32: step 16-bit parameters on fp32 copies and keep the copy as
+            the ``master_param`` state entry.
+        pin_cpu_grads: pin the host gradient buffers (only where an accelerator exists).
+        pin_cpu_params: pin the host parameter copies (only where an accelerator exists).
+        overlap_cpu_optimizer_d2h_h2d: one host sub-optimizer per parameter and side streams,
+            so copies overlap the host step.
+        **kwargs: hyperparameters handed to the sub-optimizers (lr, betas, eps, ...).
+    """
+
+    def __init__(
+        self,
+        params,
+        offload_fraction=0.5,
+        cpu_optimizer_cls=None,
+        gpu_optimizer_cls=None,
+        param_update_in_fp32: bool = False,
+        pin_cpu_grads: bool = True,
+        pin_cpu_params: bool = True,
+        overlap_cpu_optimizer_d2h_h2d: bool = True,
+        **kwargs,
+    ):
+        super().__init__(params, dict(kwargs))
+        self.defaults = {
+            "offload_fraction": offload_fraction,
+            "cpu_optimizer_cls": cpu_optimizer_cls,
+            "gpu_optimizer_cls": gpu_optimizer_cls,
+            "param_update_in_fp32": param_update_in_fp32,
+            "pin_cpu_grads": pin_cpu_grads,
+            "pin_cpu_params": pin_cpu_params,
+            "overlap_cpu_optimizer_d2h_h2d": overlap_cpu_optimizer_d2h_h2d,
+            **kwargs,
+        }
+        self.offload_fraction = offload_fraction
+        self.cpu_optimizer_cls = cpu_optimizer_cls
+        self.gpu_optimizer_cls = gpu_optimizer_cls
+        self.param_update_in_fp32 = param_update_in_fp32
+        self.pin_cpu_grads = pin_cpu_grads
+        self.pin_cpu_params = pin_cpu_params
+        self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
+        self.sub_optimizer_kwargs = kwargs
+
+        self._place_params()
+        self._build_sub_optimizers()
+        self._d2h_stream, self._h2d_stream = self._make_streams()
+        self._d2h_events: Dict[torch.optim.Optimizer, Any] = {}
+        self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state)
+        self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state)
+
+    # ------------------------------------------------------------------ placement
+
+    def _place_params(self):
+        """Choose each parameter's inner tensor; fills the maps step, save and load share."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        on_device = [p for p in params if p.device.type != "cpu"]
+        # Without accelerator parameters the host plays the device's part, so the offloaded
+        # share still runs on separate copies (CPU-only hosts test the real path).
+        self._host_only = not on_device
+        candidates = params if self._host_only else on_device
+        budget = self.offload_fraction * sum(p.numel() for p in candidates)
+        candidate_ids = {id(p) for p in candidates}
+
+        self.gpu_params_map_cpu_copy: Dict[torch.Tensor, torch.Tensor] = {}
+        self.cpu_copys_map_gpu_param: Dict[torch.Tensor, torch.Tensor] = {}
+        self.param_to_fp32_param: Dict[torch.Tensor, torch.Tensor] = {}
+        self.param_to_inner_param: Dict[torch.Tensor, torch.Tensor] = {}
+        self.inner_param_to_orig_param: Dict[torch.Tensor, torch.Tensor] = {}
+        offloaded = 0
+        for param in params:
+            widen = self.param_update_in_fp32 and param.dtype != torch.float32
+            if id(param) in candidate_ids and offloaded < budget:
+                offloaded += param.numel()
+                inner = torch.empty(
+                    param.shape,
+                    dtype=torch.float32 if widen else param.dtype,
+                    device="cpu",
+                    pin_memory=self.pin_cpu_params and param.is_cuda,
+                )
+                inner.copy_(param.detach())
+                self.gpu_params_map_cpu_copy[param] = inner
+                self.cpu_copys_map_gpu_param[inner] = param
+            elif widen:
+                inner = param.detach().to(torch.float32, copy=True)
+            else:
+                inner = param
+            if widen:
+                self.param_to_fp32_param[param] = inner
+            self.param_to_inner_param[param] = inner
+            self.inner_param_to_orig_param[inner] = param
+        self.fp32_param_to_orig_param = {v: k for k, v in self.param_to_fp32_param.items()}
+        # fp32 clones stepped where their parameter lives (not on a host copy).
+        self._clones_in_place = [
+            (param, clone)
+            for param, clone in self.param_to_fp32_param.items()
+            if param not in self.gpu_params_map_cpu_copy
+        ]
+
+    def _steps_on_host(self, inner: torch.Tensor) -> bool:
+        """Whether ``inner`` is stepped by a host sub-optimizer."""
+        if inner in self.cpu_copys_map_gpu_param:
+            return True
+        return not self._host_only and inner.device.type == "cpu"
+
+    def _build_sub_optimizers(self):
+        self.cpu_param_groups: List[Dict[str, Any]] = []
+        self.gpu_param_groups: List[Dict[str, Any]] = []
+        for group in self.param_groups:
+            host = [self.param_to_inner_param[p] for p in group["params"]]
+            device = [t for t in host if not self._steps_on_host(t)]
+            host = [t for t in host if self._steps_on_host(t)]
+            for params, target in ((host, self.cpu_param_groups), (device, self.gpu_param_groups)):
+                if params:
+                    target.append({**_hyperparameters(group), "params": params})
+
+        if not self.cpu_param_groups:
+            self.cpu_optimizers = []
+        elif self.overlap_cpu_optimizer_d2h_h2d:
+            self.cpu_optimizers = self.build_cpu_optimizer_list(
+                self.cpu_optimizer_cls, self.cpu_param_groups
+            )
+        else:
+            self.cpu_optimizers = [self.cpu_optimizer_cls(self.cpu_param_groups)]
+        self.gpu_optimizer = (
+            self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
+        )
+
+        # Which public group each sub-optimizer group follows, and which sub-optimizer
+        # steps each inner tensor.
+        group_of_inner = {
+            self.param_to_inner_param[p]: index
+            for index, group in enumerate(self.param_groups)
+            for p in group["params"]
+        }
+        self._sub_groups: List[Tuple[Dict[str, Any], int]] = []
+        self._owner: Dict[torch.Tensor, torch.optim.Optimizer] = {}
+        for optimizer in self.sub_optimizers:
+            for sub_group in optimizer.param_groups:
+                self._sub_groups.append((sub_group, group_of_inner[sub_group["params"][0]]))
+                for inner in sub_group["params"]:
+                    self._owner[inner] = optimizer
+        self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
+
+    @staticmethod
+    def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups):
+        """Build one host optimizer per parameter, so each can step as soon as its grad lands.
+
+        Args:
+            cpu_optimizer_cls (Type[torch.optim.Optimizer]): the host optimizer class.
+            cpu_param_groups (List[Dict[str, Any]]): host param groups with hyperparameters.
+
+        Returns:
+            List[torch.optim.Optimizer]: one optimizer per parameter, in group order.
+        """
+        optimizers = []
+        for group in cpu_param_groups:
+            params = group["params"]
+            if isinstance(params, torch.Tensor):
+                params = [params]
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for param in params:
+                optimizers.append(cpu_optimizer_cls([{**settings, "params": [param]}]))
+        return optimizers
+
+    @staticmethod
+    def _make_streams():
+        """Side streams for the copies where CUDA exists; none on a host-only run."""
+        if not torch.cuda.is_available():
+            return None, None
+        return torch.cuda.Stream(), torch.cuda.Stream()
+
+    @property
+    def sub_optimizers(self):
+        """The host sub-optimizers followed by the in-place one, if any."""
+        if self.gpu_optimizer is None:
+            return list(self.cpu_optimizers)
+        return self.cpu_optimizers + [self.gpu_optimizer]
+
+    def _slots(self) -> Iterable[Tuple[torch.Tensor, torch.Tensor, torch.optim.Optimizer]]:
+        """(public parameter, inner tensor, sub-optimizer stepping it) for every parameter."""
+        for param, inner in self.param_to_inner_param.items():
+            yield param, inner, self._owner[inner]
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step every sub-optimizer and write the results back into the parameters.
+
+        Args:
+            closure (Callable, optional): re-evaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hdo_param_groups_to_sub_optimizers()
+        self._sync_hdo_state_to_sub_optimizers()
+        self._stage_grads()
+        steps_before = [sub_group.get("step") for sub_group, _ in self._sub_groups]
+
+        if self.gpu_optimizer is not None:
+            self.gpu_optimizer.step()
+        for optimizer in self.cpu_optimizers:
+            event = self._d2h_events.pop(optimizer, None)
+            if event is not None:
+                event.synchronize()
+            optimizer.step()
+            self._copy_host_params_back(optimizer)
+        for param, clone in self._clones_in_place:
+            param.data.copy_(clone)
+            clone.grad = None  # the widened gradient is only needed for this step
+        if self._h2d_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._h2d_stream)
+
+        self._mirror_group_steps(steps_before)
+        self._sync_sub_optimizers_state_to_hdo()
+        return loss
+
+    def _stage_grads(self):
+        """Hand every inner tensor the gradient of its parameter (D2H for host copies)."""
+        for param, clone in self._clones_in_place:
+            grad = _grad_of(param)
+            clone.grad = None if grad is None else grad.to(torch.float32)
+
+        stream = self._d2h_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with _on_stream(stream):
+            for optimizer in self.cpu_optimizers:
+                for group in optimizer.param_groups:
+                    for host in group["params"]:
+                        self._stage_host_grad(host)
+                if stream is not None:
+                    self._d2h_events[optimizer] = stream.record_event()
+
+    def _stage_host_grad(self, host: torch.Tensor):
+        param = self.cpu_copys_map_gpu_param.get(host)
+        if param is None:  # a host-resident parameter: its grad is already in place
+            return
+        grad = _grad_of(param)
+        if grad is None:
+            host.grad = None
+            return
+        buffer = self.cpu_copy_map_grad.get(host)
+        if buffer is None:
+            buffer = torch.empty(
+                host.shape,
+                dtype=host.dtype,
+                device="cpu",
+                pin_memory=self.pin_cpu_grads and grad.is_cuda,
+            )
+            self.cpu_copy_map_grad[host] = buffer
+        buffer.copy_(grad.view_as(buffer), non_blocking=grad.is_cuda)
+        host.grad = buffer
+
+    def _copy_host_params_back(self, optimizer: torch.optim.Optimizer):
+        stream = self._h2d_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with _on_stream(stream):
+            for group in optimizer.param_groups:
+                for host in group["params"]:
+                    param = self.cpu_copys_map_gpu_param.get(host)
+                    if param is not None:
+                        param.data.copy_(host.view_as(param), non_blocking=param.is_cuda)
+
+    def _mirror_group_steps(self, steps_before: List[Any]):
+        """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
+        for (sub_group, index), before in zip(self._sub_groups, steps_before):
+            step = sub_group.get("step")
+            if step is not None and step is not before:
+                self.param_groups[index]["step"] = step
+
+    # ------------------------------------------------------------------ state sync
+
+    def _sync_hdo_param_groups_to_sub_optimizers(self):
+        """Push the public groups' hyperparameters (lr, weight decay, ...) to the sub-groups."""
+        for sub_group, index in self._sub_groups:
+            sub_group.update(_hyperparameters(self.param_groups[index]))
+
+    def _hand_back_group_steps(self):
+        """Give a step restored into the public groups back to the sub-groups."""
+        for sub_group, index in self._sub_groups:
+            if "step" in self.param_groups[index]:
+                sub_group["step"] = self.param_groups[index]["step"]
+
+    def _sync_sub_optimizers_state_to_hdo(self):
+        """Make ``self.state[p]`` show the tensors the sub-optimizer keeps for ``p``."""
+        for param, inner, optimizer in self._slots():
+            inner_state = optimizer.state.get(inner)
+            if not inner_state:
+                continue
+            entry = self.state[param]
+            for key, value in inner_state.items():
+                if entry.get(key) is not value:
+                    entry[key] = value
+            if self.param_update_in_fp32:
+                entry[_MASTER] = inner
+
+    def _sync_hdo_state_to_sub_optimizers(self):
+        """Adopt state that was written into ``self.state`` from outside.
+
+        Megatron's distributed optimizer assigns loaded tensors straight into
+        ``optimizer.state[p][key]``. Each such value is copied into the tensor the
+        sub-optimizer already keeps (cast on copy, no new allocation), or moved to the
+        inner tensor's device when there is none yet; a ``master_param`` is copied into the
+        inner tensor itself.
+        """
+        for param, inner, optimizer in self._slots():
+            entry = self.state.get(param)
+            if not entry:
+                continue
+            inner_state = optimizer.state[inner]
+            for key, value in list(entry.items()):
+                if inner_state.get(key) is value:
+                    continue
+                settled = self._settle(inner, optimizer, inner_state.get(key), key, value)
+                entry[key] = settled
+                if key != _MASTER:
+                    inner_state[key] = settled
+            if _MASTER in entry and not self.param_update_in_fp32:
+                del entry[_MASTER]
+
+    @torch.no_grad()
+    def _settle(self, inner, optimizer, live, key, value):
+        """Return the tensor that keeps ``value`` for ``inner`` from now on."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if key == _MASTER:
+            if value is not inner:
+                inner.copy_(value.reshape(inner.shape))
+            return inner
+        if isinstance(live, torch.Tensor) and live.numel() == value.numel():
+            if live is not value:
+                live.copy_(value.reshape(live.shape))
+            return live
+        if key == "step":
+            group = optimizer.param_groups[0]
+            if group.get("fused") or group.get("capturable"):
+                return value.to(device=inner.device, dtype=torch.float32)
+            return value
+        dtype = inner.dtype if value.is_floating_point() else value.dtype
+        return value.to(device=inner.device, dtype=dtype)
+
+    @torch.no_grad()
+    def update_fp32_param_by_new_param(self):
+        """Refresh every inner copy from its parameter after the parameters changed outside."""
+        for param, inner in self.param_to_inner_param.items():
+            if inner is not param:
+                inner.copy_(param.detach().view_as(inner))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _check_loadable(self, state_dict):
+        """Raise a clear error, before anything changes, if ``state_dict`` does not fit."""
+        name = type(self).__name__
+        for required in ("state", "param_groups"):
+            if required not in state_dict:
+                raise KeyError(f"{name}.load_state_dict: the state dict has no '{required}' key")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"{name}.load_state_dict: the checkpoint has {len(saved_groups)} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        id_to_param = {}
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{name}.load_state_dict: param group {index} has {len(saved['params'])} "
+                    f"parameters in the checkpoint and {len(group['params'])} here"
+                )
+            id_to_param.update(zip(saved["params"], group["params"]))
+        for param_id, entry in state_dict["state"].items():
+            param = id_to_param.get(param_id)
+            if param is None:
+                raise KeyError(
+                    f"{name}.load_state_dict: the checkpoint has state for parameter "
+                    f"{param_id!r}, which no param group lists"
+                )
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.numel() != param.numel():
+                        raise ValueError(
+                            f"{name}.load_state_dict: state '{key}' of parameter {param_id!r} "
+                            f"has shape {tuple(value.shape)}, the parameter has shape "
+                            f"{tuple(param.shape)}"
+                        )
+        return id_to_param
+
+    @staticmethod
+    def _settle_loaded_state(self, state_dict):
+        """Load pre-hook: validate, then cast every entry where its inner tensor lives.
+
+        The settled state is kept aside and torch is handed an empty one, so torch's own
+        load never casts state onto the public parameters' device.
+        """
+        id_to_param = self._check_loadable(state_dict)
+        loaded = {}
+        for param_id, saved_entry in state_dict["state"].items():
+            param = id_to_param[param_id]
+            inner = self.param_to_inner_param[param]
+            optimizer = self._owner[inner]
+            live_state = optimizer.state.get(inner, {})
+            loaded[param] = {
+                key: self._settle(inner, optimizer, live_state.get(key), key, value)
+                for key, value in saved_entry.items()
+            }
+        self._loaded_state = loaded
+        groups = [
+            {k: v for k, v in saved.items() if k not in _HDO_OPTIONS}
+            for saved in state_dict["param_groups"]
+        ]
+        return {**state_dict, "state": {}, "param_groups": groups}
+
+    @staticmethod
+    def _adopt_loaded_state(self):
+        """Load post-hook: install the settled state into the same sub-optimizers."""
+        loaded = self.__dict__.pop("_loaded_state", {})
+        self.state = defaultdict(dict)
+        for param, inner, optimizer in self._slots():
+            entry = loaded.get(param)
+            if entry is None:
+                optimizer.state.pop(inner, None)
+                continue
+            optimizer.state[inner] = {k: v for k, v in entry.items() if k != _MASTER}
+            if self.param_update_in_fp32:
+                entry[_MASTER] = inner
+            else:
+                entry.pop(_MASTER, None)
+            self.state[param] = entry
+        self._sync_hdo_param_groups_to_sub_optimizers()
+        self._hand_back_group_steps()
+
+    # ------------------------------------------------------------------ misc API
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Clear the gradients of the public parameters, ``decoupled_grad`` included."""
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for param in group["params"]:
+                if getattr(param, "decoupled_grad", None) is None:
+                    continue
+                if set_to_none:
+                    param.decoupled_grad = None
+                else:
+                    param.decoupled_grad.zero_()
+
+    @torch.no_grad()
+    def dummy_step(self):
+        """Materialise the sub-optimizers' state without changing anything else.
+
+        Parameters that have no state yet take one step with a zero gradient, a zero
+        learning rate and no weight decay; then their step counters are reset and the
+        hyperparameters restored, so the result equals a never-stepped optimizer whose
+        state tensors already exist (what an in-place checkpoint load needs).
+        """
+        for optimizer in self.sub_optimizers:
+            saved = []
+            for group in optimizer.param_groups:
+                fresh = [p for p in group["params"] if not optimizer.state.get(p)]
+                saved.append((group, dict(group), [(p, p.grad) for p in fresh]))
+                group["params"] = fresh
+                for key in ("lr", "weight_decay"):
+                    if key in group:
+                        value = group[key]
+                        group[key] = torch.zeros_like(value) if torch.is_tensor(value) else 0.0
+                for param in fresh:
+                    param.grad = torch.zeros_like(param)
+            if any(group["params"] for group in optimizer.param_groups):
+                optimizer.step()
+            for group, settings, grads in saved:
+                group.clear()
+                group.update(settings)
+                for param, grad in grads:
+                    param.grad = grad
+                    step = optimizer.state.get(param, {}).get("step")
+                    if isinstance(step, torch.Tensor):
+                        step.zero_()
+                    elif step is not None:
+                        optimizer.state[param]["step"] = 0
+        self._sync_sub_optimizers_state_to_hdo()
+
+
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)``, or nothing on a host without CUDA."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
