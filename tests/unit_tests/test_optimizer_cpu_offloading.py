@@ -1,0 +1,513 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Exactness and lifetime tests for HybridDeviceOptimizer.
+
+Every test runs on the CPU (the optimizer then steps its offloaded share on plain host
+copies); where CUDA exists the same tests use accelerator parameters, pinned copies and
+side streams. Run them against upstream's module with ``MEGATRON_OPTIMIZER_FORK=0``.
+"""
+
+import gc
+import io
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+SHAPES = [(8, 4), (16,), (4, 4), (3,), (6, 2)]
+FRACTIONS = [0.0, 0.5, 1.0]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+class GroupStepAdamW(torch.optim.Optimizer):
+    """Test double for TE/Apex FusedAdam's bookkeeping: AdamW that counts its step in
+    ``param_group["step"]`` (once per group and step) instead of in the per-parameter state.
+    A lost group step restarts bias correction, which changes the very next update."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # pylint: disable=unused-argument
+        for group in self.param_groups:
+            live = [p for p in group["params"] if p.grad is not None]
+            if not live:
+                continue
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            correction1 = 1 - beta1 ** group["step"]
+            correction2 = 1 - beta2 ** group["step"]
+            for param in live:
+                state = self.state[param]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+                state["exp_avg"].lerp_(param.grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(group["eps"])
+                param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / correction1)
+
+
+def _torch_adamw(params, **kwargs):
+    on_cuda = any(p.is_cuda for group in params for p in group["params"])
+    return torch.optim.AdamW(params, fused=True if on_cuda else None, **kwargs)
+
+
+INNER_OPTIMIZERS = {"torch_adamw": _torch_adamw, "group_step_adamw": GroupStepAdamW}
+
+
+def make_params(dtype, seed=0):
+    """A few parameters of assorted shapes, as a model would hand them over."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(DEVICE, dtype))
+        for shape in SHAPES
+    ]
+
+
+def make_optimizer(params, fraction, inner="torch_adamw", **overrides):
+    """An HDO with two param groups (the second with weight decay), as Megatron builds it."""
+    options = dict(
+        offload_fraction=fraction,
+        cpu_optimizer_cls=INNER_OPTIMIZERS[inner],
+        gpu_optimizer_cls=INNER_OPTIMIZERS[inner],
+        param_update_in_fp32=True,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    options.update(overrides)
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
+    return HybridDeviceOptimizer(groups, **options)
+
+
+def train(params, optimizer, steps, seed):
+    """Take ``steps`` steps with reproducible gradients drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def checkpoint(optimizer):
+    """Round-trip the optimizer's state dict through bytes, as a checkpoint would."""
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def copy_params(dst, src):
+    """Restore model parameters, as a model checkpoint load does."""
+    with torch.no_grad():
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def assert_equal_params(actual, expected):
+    for index, (a, e) in enumerate(zip(actual, expected)):
+        assert torch.equal(
+            a, e
+        ), f"parameter {index} differs by {(a.float() - e.float()).abs().max()}"
+
+
+def identities(optimizer):
+    """The objects that must survive a load: inner tensors, sub-optimizers, grad buffers."""
+    return (
+        [id(t) for t in optimizer.param_to_inner_param.values()],
+        [id(o) for o in optimizer.sub_optimizers],
+        {id(k): id(v) for k, v in optimizer.cpu_copy_map_grad.items()},
+    )
+
+
+def inner_tensor(optimizer, param):
+    """The tensor that holds ``param``'s optimizer state (fork and upstream alike)."""
+    if param in optimizer.param_to_fp32_param:
+        return optimizer.param_to_fp32_param[param]
+    return optimizer.gpu_params_map_cpu_copy.get(param, param)
+
+
+@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_load_state_dict_reuses_the_cpu_copies_and_resumes_exactly(dtype, fraction, inner):
+    # The run that is checkpointed and goes on uninterrupted.
+    params = make_params(dtype)
+    optimizer = make_optimizer(params, fraction, inner)
+    train(params, optimizer, 3, seed=1)
+    saved = checkpoint(optimizer)
+    saved_params = [p.detach().clone() for p in params]
+    train(params, optimizer, 2, seed=2)
+
+    # A second optimizer that has already stepped (so its buffers exist) resumes.
+    resumed_params = make_params(dtype, seed=7)
+    resumed = make_optimizer(resumed_params, fraction, inner)
+    train(resumed_params, resumed, 1, seed=9)
+    before = identities(resumed)
+    copy_params(resumed_params, saved_params)
+    resumed.load_state_dict(saved)
+
+    assert identities(resumed) == before
+    for param in resumed_params:
+        inner_param = resumed.param_to_inner_param[param]
+        for key, value in resumed.state[param].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.device == inner_param.device, (key, value.device)
+    train(resumed_params, resumed, 2, seed=2)
+    assert_equal_params(resumed_params, params)
+    for param, resumed_param in zip(params, resumed_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(resumed.state[resumed_param][key], optimizer.state[param][key])
+
+
+@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+def test_the_adam_step_counter_survives_the_checkpoint(inner):
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, 0.5, inner)
+    train(params, optimizer, 4, seed=1)
+    saved = checkpoint(optimizer)
+    if inner == "group_step_adamw":
+        assert [group["step"] for group in saved["param_groups"]] == [4, 4]
+    else:
+        assert {float(entry["step"]) for entry in saved["state"].values()} == {4.0}
+
+    resumed_params = make_params(torch.bfloat16, seed=3)
+    resumed = make_optimizer(resumed_params, 0.5, inner)
+    resumed.load_state_dict(saved)
+    for sub_optimizer in resumed.sub_optimizers:
+        for group in sub_optimizer.param_groups:
+            if inner == "group_step_adamw":
+                assert group["step"] == 4
+            else:
+                for param in group["params"]:
+                    assert float(sub_optimizer.state[param]["step"]) == 4.0
+
+
+def test_a_checkpoint_without_the_group_step_loads_as_before():
+    params = make_params(torch.float32)
+    optimizer = make_optimizer(params, 0.5, "torch_adamw")
+    train(params, optimizer, 2, seed=1)
+    saved = checkpoint(optimizer)
+    for group in saved["param_groups"]:
+        group.pop("step", None)
+    resumed_params = make_params(torch.float32)
+    resumed = make_optimizer(resumed_params, 0.5, "torch_adamw")
+    copy_params(resumed_params, params)
+    resumed.load_state_dict(saved)
+    train(params, optimizer, 1, seed=2)
+    train(resumed_params, resumed, 1, seed=2)
+    assert_equal_params(resumed_params, params)
+
+
+def _host_tensor_footprint():
+    """Bytes and count of distinct host storages alive, and how many are pinned."""
+    storages = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+                continue
+        except ReferenceError:
+            continue
+        storage = obj.untyped_storage()
+        storages[storage.data_ptr()] = (storage.nbytes(), obj.is_pinned())
+    nbytes = sum(size for size, _ in storages.values())
+    return nbytes, len(storages), sum(pinned for _, pinned in storages.values())
+
+
+def _pinned_allocations():
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.memory.host_memory_stats().get("allocations.current", 0)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_twenty_load_cycles_keep_host_memory_and_pinned_buffers_flat(fraction):
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, fraction)
+    train(params, optimizer, 2, seed=1)
+    optimizer.load_state_dict(checkpoint(optimizer))
+    train(params, optimizer, 1, seed=2)
+    gc.collect()
+    start = _host_tensor_footprint(), _pinned_allocations()
+    for cycle in range(20):
+        optimizer.load_state_dict(checkpoint(optimizer))
+        train(params, optimizer, 1, seed=3 + cycle)
+    gc.collect()
+    assert (_host_tensor_footprint(), _pinned_allocations()) == start
+
+
+def test_a_fork_checkpoint_loads_with_weights_only():
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, 0.5, "group_step_adamw")
+    train(params, optimizer, 2, seed=1)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert len(loaded["state"]) == len(params)
+    for entry in loaded["state"].values():
+        assert {"exp_avg", "exp_avg_sq", "master_param"} <= set(entry)
+        assert entry["master_param"].dtype == torch.float32
+
+
+def test_defaults_rebuild_an_equivalent_optimizer_and_stay_out_of_param_groups():
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, 0.5)
+    rebuilt = HybridDeviceOptimizer(
+        [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}], **optimizer.defaults
+    )
+    assert rebuilt.defaults == optimizer.defaults
+    assert rebuilt.defaults["cpu_optimizer_cls"] is _torch_adamw
+    assert [len(o.param_groups[0]["params"]) for o in rebuilt.cpu_optimizers] == [
+        len(o.param_groups[0]["params"]) for o in optimizer.cpu_optimizers
+    ]
+    for group in rebuilt.param_groups:
+        assert "cpu_optimizer_cls" not in group and "offload_fraction" not in group
+        assert group["lr"] == 1e-2
+
+
+def test_an_upstream_style_checkpoint_with_classes_in_its_groups_loads():
+    """Upstream writes its constructor options into every group; the fork drops them."""
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, 0.5)
+    train(params, optimizer, 2, seed=1)
+    saved = checkpoint(optimizer)
+    for group in saved["param_groups"]:
+        group.update({k: v for k, v in optimizer.defaults.items() if k not in group})
+    optimizer.load_state_dict(saved)
+    for group in optimizer.param_groups:
+        assert "cpu_optimizer_cls" not in group
+    train(params, optimizer, 1, seed=2)
+    torch.load(io.BytesIO(_saved_bytes(optimizer)), weights_only=True)
+
+
+def _saved_bytes(optimizer):
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_dummy_step_materialises_state_and_changes_nothing(fraction, inner):
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, fraction, inner)
+    reference_params = make_params(torch.bfloat16)
+    reference = make_optimizer(reference_params, fraction, inner)
+
+    values = [p.detach().clone() for p in params]
+    inner_values = [t.detach().clone() for t in optimizer.param_to_inner_param.values()]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.dummy_step()
+
+    assert_equal_params(params, values)
+    assert_equal_params(list(optimizer.param_to_inner_param.values()), inner_values)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == groups
+    assert all(p.grad is None for p in params)
+    for param in params:
+        assert not optimizer.state[param]["exp_avg"].any()
+    # A materialised optimizer trains exactly like a fresh one.
+    train(params, optimizer, 2, seed=4)
+    train(reference_params, reference, 2, seed=4)
+    assert_equal_params(params, reference_params)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_state_written_into_state_from_outside_is_adopted(fraction):
+    """Megatron's distributed optimizer loads ``param_state`` by assigning tensors straight
+    into ``optimizer.state[p][key]`` (flat fp32 host slices); the next step must use them."""
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, fraction)
+    train(params, optimizer, 3, seed=1)
+    saved = {
+        p: {k: v.detach().cpu().float().flatten().clone() for k, v in optimizer.state[p].items()}
+        for p in params
+    }
+    saved_params = [p.detach().clone() for p in params]
+    train(params, optimizer, 2, seed=2)
+
+    resumed_params = make_params(torch.bfloat16, seed=5)
+    resumed = make_optimizer(resumed_params, fraction)
+    resumed.dummy_step()
+    live = {p: dict(resumed.state[p]) for p in resumed_params}
+    copy_params(resumed_params, saved_params)
+    for param, source in zip(resumed_params, params):
+        for key, value in saved[source].items():
+            resumed.state[param][key] = value.clone() if key != "step" else value.reshape(())
+    train(resumed_params, resumed, 2, seed=2)
+    assert_equal_params(resumed_params, params)
+    for param in resumed_params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert resumed.state[param][key] is live[param][key]
+        assert resumed.state[param]["master_param"] is resumed.param_to_inner_param[param]
+
+
+def _state_snapshot(optimizer):
+    return {
+        id(p): {
+            k: (v, v.detach().clone()) for k, v in optimizer.state[p].items() if torch.is_tensor(v)
+        }
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+
+
+def _assert_unchanged(optimizer, snapshot):
+    assert _state_snapshot(optimizer).keys() == snapshot.keys()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, (tensor, value) in snapshot[id(param)].items():
+                assert optimizer.state[param][key] is tensor
+                assert torch.equal(tensor, value)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda sd: sd["param_groups"].pop(), "param groups"),
+        (lambda sd: sd["param_groups"][1]["params"].pop(), "param group 1"),
+        (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(5)), "shape"),
+        (lambda sd: sd.pop("state"), "state"),
+    ],
+    ids=["group-count", "param-count", "shape", "missing-state"],
+)
+def test_a_mismatched_state_dict_raises_before_anything_changes(corrupt, message):
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, 0.5)
+    train(params, optimizer, 2, seed=1)
+    other_params = make_params(torch.bfloat16, seed=3)
+    other = make_optimizer(other_params, 0.5)
+    train(other_params, other, 3, seed=4)
+    state_dict = checkpoint(other)
+    corrupt(state_dict)
+
+    snapshot = _state_snapshot(optimizer)
+    groups = [dict(g) for g in optimizer.param_groups]
+    with pytest.raises((ValueError, KeyError), match=message):
+        optimizer.load_state_dict(state_dict)
+    _assert_unchanged(optimizer, snapshot)
+    assert [dict(g) for g in optimizer.param_groups] == groups
+
+
+def test_placement_follows_the_tensors_when_both_classes_are_equal():
+    params = make_params(torch.float32)
+    optimizer = make_optimizer(params, 0.5)
+    assert optimizer.cpu_optimizer_cls is optimizer.gpu_optimizer_cls
+    offloaded = sum(p.numel() for p in optimizer.gpu_params_map_cpu_copy)
+    total = sum(p.numel() for p in params)
+    assert offloaded >= 0.5 * total and optimizer.gpu_optimizer is not None
+    host_inner = {
+        id(t) for o in optimizer.cpu_optimizers for g in o.param_groups for t in g["params"]
+    }
+    assert host_inner == {id(t) for t in optimizer.gpu_params_map_cpu_copy.values()}
+    for host in optimizer.gpu_params_map_cpu_copy.values():
+        assert host.device.type == "cpu"
+        assert host.is_pinned() == torch.cuda.is_available()
+    train(params, optimizer, 1, seed=1)
+    for param in params:
+        state = optimizer.state[param]
+        assert state["exp_avg"].device == optimizer.param_to_inner_param[param].device
+
+
+def _options(fraction, cpu_cls, gpu_cls):
+    return dict(
+        offload_fraction=fraction,
+        cpu_optimizer_cls=cpu_cls,
+        gpu_optimizer_cls=gpu_cls,
+        param_update_in_fp32=True,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+
+def _groups(params):
+    return [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
+
+
+@pytest.fixture(scope="module")
+def upstream_hdo_class():
+    """Upstream megatron-core 0.19.2's HybridDeviceOptimizer, loaded from its own file."""
+    overlay = pytest.importorskip("megatron_optimizer_fork")
+    module = overlay.load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer")
+    return module.HybridDeviceOptimizer
+
+
+def _save_then_resume(writer_cls, reader_cls, options):
+    """Train with ``writer_cls``, checkpoint, go on; resume with ``reader_cls``; compare."""
+    params = make_params(torch.bfloat16)
+    writer = writer_cls(_groups(params), **options)
+    train(params, writer, 3, seed=1)
+    buffer = io.BytesIO()
+    torch.save(writer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)  # upstream's groups hold classes
+    saved_params = [p.detach().clone() for p in params]
+    train(params, writer, 2, seed=2)
+
+    resumed_params = make_params(torch.bfloat16, seed=7)
+    reader = reader_cls(_groups(resumed_params), **options)
+    copy_params(resumed_params, saved_params)
+    reader.load_state_dict(saved)
+    train(resumed_params, reader, 2, seed=2)
+    assert_equal_params(resumed_params, params)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_an_upstream_checkpoint_resumes_exactly_in_the_fork(upstream_hdo_class, fraction):
+    # pylint: disable=redefined-outer-name
+    options = _options(fraction, torch.optim.AdamW, torch.optim.AdamW)
+    _save_then_resume(upstream_hdo_class, HybridDeviceOptimizer, options)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_fork_checkpoint_loads_in_upstream(upstream_hdo_class, fraction):
+    # pylint: disable=redefined-outer-name
+    # Upstream places loaded state by the optimizer's class, so the two classes differ here.
+    options = _options(fraction, torch.optim.AdamW, torch.optim.Adam)
+    _save_then_resume(HybridDeviceOptimizer, upstream_hdo_class, options)
+
+
+@requires_cuda
+@pytest.mark.parametrize("stepped_before_load", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_loading_offloaded_state_allocates_nothing_on_the_gpu(dtype, stepped_before_load):
+    params = [
+        torch.nn.Parameter(torch.randn(1024, 1024, device="cuda").to(dtype)) for _ in range(4)
+    ]
+    optimizer = HybridDeviceOptimizer(
+        [{"params": params}], **_options(1.0, torch.optim.AdamW, torch.optim.AdamW)
+    )
+    train(params, optimizer, 2, seed=1)
+    saved = checkpoint(optimizer)
+    resumed = HybridDeviceOptimizer(
+        [{"params": params}], **_options(1.0, torch.optim.AdamW, torch.optim.AdamW)
+    )
+    if stepped_before_load:
+        train(params, resumed, 1, seed=2)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=10000)  # pylint: disable=protected-access
+    try:
+        resumed.load_state_dict(saved)
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"]  # pylint: disable=protected-access
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)  # pylint: disable=protected-access
+    allocations = [
+        (event["size"], [f"{f['filename']}:{f['line']}" for f in event["frames"][:12]])
+        for device_trace in trace
+        for event in device_trace
+        if event["action"] == "alloc"
+    ]
+    assert torch.cuda.max_memory_allocated() == before, allocations
+    for param in params:
+        assert all(v.device.type == "cpu" for v in resumed.state[param].values())
