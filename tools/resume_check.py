@@ -1,0 +1,302 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+# pylint: disable=bad-builtin
+"""Resume check: train, checkpoint, resume, and compare upstream's HDO with the fork's.
+
+For each implementation (megatron-core 0.19.2's HybridDeviceOptimizer and the fork's) the
+check trains a small bf16 MLP with CPU offload, saves model and optimizer state, goes on
+for a few steps, then builds a fresh model and optimizer, loads the checkpoint and takes
+the same steps. It prints, side by side: whether the resumed parameters are bit-exact,
+pinned host memory at cold start and after the load, peak accelerator memory during the
+load, and the load time; and it plots memory over the phases to a PNG.
+
+On a host without CUDA the fork runs on the CPU (its offloaded share on plain host
+copies); upstream's column shows why it cannot run there.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+
+from megatron_optimizer_fork import load_upstream_module
+
+# Megatron without TE/Apex uses torch AdamW on both halves; "adam" gives the in-place half
+# another class, which upstream needs because it places loaded state by class.
+GPU_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+PHASES = [
+    "cold start",
+    "trained",
+    "saved",
+    "resumed: cold start",
+    "resumed: loaded",
+    "resumed: stepped",
+]
+
+
+def upstream_class():
+    """megatron-core 0.19.2's HybridDeviceOptimizer, loaded from its own file."""
+    module = load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer")
+    return module.HybridDeviceOptimizer
+
+
+def fork_class():
+    """The fork's HybridDeviceOptimizer, as ``megatron.core`` resolves it."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        raise RuntimeError(
+            "megatron.core resolves upstream's HybridDeviceOptimizer: install the fork "
+            "(pip install .) and leave MEGATRON_OPTIMIZER_FORK unset"
+        )
+    return hybrid_optimizer.HybridDeviceOptimizer
+
+
+class Memory:
+    """Reads the memory figures the check reports."""
+
+    def __init__(self, device):
+        self.cuda = device == "cuda"
+
+    def pinned(self):
+        """Bytes of pinned host memory in use (0 where there is no CUDA)."""
+        if not self.cuda:
+            return 0
+        return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+
+    def device(self):
+        """Bytes allocated on the accelerator."""
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    @staticmethod
+    def resident():
+        """Resident set size of this process in bytes."""
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def sample(self):
+        """All figures at once, in bytes."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return {"pinned": self.pinned(), "device": self.device(), "rss": self.resident()}
+
+
+def build(hdo_class, device, args, seed):
+    """A bf16 MLP and an HDO over its parameters, as Megatron configures CPU offload."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(args.layers):
+        layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
+    params = list(model.parameters())
+    fused = True if device == "cuda" else None
+    optimizer = hdo_class(
+        [{"params": params[0::2]}, {"params": params[1::2], "weight_decay": 0.0}],
+        offload_fraction=args.offload_fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=GPU_OPTIMIZERS[args.gpu_optimizer],
+        param_update_in_fp32=True,
+        lr=1e-3,
+        weight_decay=0.01,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=fused,
+    )
+    return model, optimizer
+
+
+def train(model, optimizer, device, args, steps, seed):
+    """Regress random targets for ``steps`` steps with a fixed data stream."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        inputs = torch.randn(args.batch, args.hidden, generator=generator).to(
+            device, torch.bfloat16
+        )
+        target = torch.randn(args.batch, args.hidden, generator=generator).to(
+            device, torch.bfloat16
+        )
+        loss = (model(inputs).float() - target.float()).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def run(hdo_class, device, args, folder):
+    """Train, save, go on, resume from the checkpoint; return figures for the report."""
+    memory = Memory(device)
+    result = {"phases": {}}
+    model, optimizer = build(hdo_class, device, args, seed=1)
+    result["phases"]["cold start"] = memory.sample()
+    train(model, optimizer, device, args, args.steps, seed=2)
+    result["phases"]["trained"] = memory.sample()
+    path = os.path.join(folder, "checkpoint.pt")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    result["phases"]["saved"] = memory.sample()
+    train(model, optimizer, device, args, args.resume_steps, seed=3)
+    expected = [p.detach().clone() for p in model.parameters()]
+    del model, optimizer
+
+    model, optimizer = build(hdo_class, device, args, seed=4)
+    result["phases"]["resumed: cold start"] = memory.sample()
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        result["weights_only"] = True
+    except Exception:  # pylint: disable=broad-except
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        result["weights_only"] = False
+    model.load_state_dict(checkpoint["model"])
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = memory.device()
+    start = time.perf_counter()
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    result["load_seconds"] = time.perf_counter() - start
+    result["load_peak_device_extra"] = (
+        torch.cuda.max_memory_allocated() - before if device == "cuda" else 0
+    )
+    del checkpoint
+    result["phases"]["resumed: loaded"] = memory.sample()
+    train(model, optimizer, device, args, args.resume_steps, seed=3)
+    result["phases"]["resumed: stepped"] = memory.sample()
+    actual = [p.detach() for p in model.parameters()]
+    diffs = [(a.float() - e.float()).abs().max().item() for a, e in zip(actual, expected)]
+    result["exact"] = all(torch.equal(a, e) for a, e in zip(actual, expected))
+    result["max_abs_diff"] = max(diffs)
+    return result
+
+
+def attempt(name, factory, device, args):
+    """Run one implementation; an error becomes part of the report instead of a crash."""
+    try:
+        hdo_class = factory()
+        with tempfile.TemporaryDirectory() as folder:
+            return run(hdo_class, device, args, folder)
+    except Exception as error:  # pylint: disable=broad-except
+        last = traceback.extract_tb(error.__traceback__)[-1]
+        where = f"{os.path.basename(last.filename)}:{last.lineno}"
+        return {
+            "error": f"{type(error).__name__}: {error} ({where})".replace("\n", " "),
+            "name": name,
+        }
+
+
+def mib(value):
+    """Bytes as MiB with one decimal."""
+    return f"{value / 2**20:.1f} MiB"
+
+
+def describe(result, device):
+    """The rows of the side-by-side table for one implementation."""
+    if "error" in result:
+        reason = "cannot run on a CPU-only host" if device == "cpu" else "failed"
+        return {"resumed bit-exactly": f"{reason}: {result['error'][:150]}"}
+    phases = result["phases"]
+    return {
+        "resumed bit-exactly": (
+            "yes" if result["exact"] else f"NO (max |diff| {result['max_abs_diff']:.3g})"
+        ),
+        "checkpoint loads with weights_only=True": "yes" if result["weights_only"] else "no",
+        "pinned host memory, cold start": mib(phases["resumed: cold start"]["pinned"]),
+        "pinned host memory, after the load": mib(phases["resumed: loaded"]["pinned"]),
+        "pinned host memory, after resumed steps": mib(phases["resumed: stepped"]["pinned"]),
+        "peak accelerator memory added by the load": mib(result["load_peak_device_extra"]),
+        "load time": f"{result['load_seconds'] * 1000:.1f} ms",
+        "process RSS after resumed steps": mib(phases["resumed: stepped"]["rss"]),
+    }
+
+
+def report(results, device, args):
+    """Print the side-by-side table."""
+    columns = {name: describe(result, device) for name, result in results.items()}
+    rows = []
+    for column in columns.values():
+        rows += [row for row in column if row not in rows]
+    width = max(len(row) for row in rows) + 2
+    names = list(columns)
+    col = 46
+    print(
+        f"\nResume check on {device}: bf16 MLP {args.layers}x{args.hidden}, "
+        f"offload fraction {args.offload_fraction}, in-place optimizer torch "
+        f"{GPU_OPTIMIZERS[args.gpu_optimizer].__name__}, {args.steps} steps, checkpoint, "
+        f"{args.resume_steps} more steps; torch {torch.__version__}"
+    )
+    print("".ljust(width) + "".join(n.ljust(col) for n in names))
+    for row in rows:
+        cells = [str(columns[n].get(row, "-"))[: col - 2].ljust(col) for n in names]
+        print(row.ljust(width) + "".join(cells))
+    for name in names:
+        if "error" in results[name]:
+            print(f"\n{name}: {results[name]['error']}")
+
+
+def plot(results, path):
+    """Memory over the phases, one line per implementation and figure."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for axis, (key, title) in zip(
+        axes,
+        [
+            ("pinned", "pinned host memory"),
+            ("device", "accelerator memory"),
+            ("rss", "process RSS"),
+        ],
+    ):
+        for name, result in results.items():
+            if "error" in result:
+                continue
+            values = [result["phases"][phase][key] / 2**20 for phase in PHASES]
+            axis.plot(range(len(PHASES)), values, marker="o", label=name)
+        axis.set_title(title)
+        axis.set_ylabel("MiB")
+        axis.set_xticks(range(len(PHASES)))
+        axis.set_xticklabels(PHASES, rotation=30, ha="right", fontsize=8)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main():
+    """Parse arguments, run both implementations, report and plot."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--resume-steps", type=int, default=3)
+    parser.add_argument("--offload-fraction", type=float, default=0.5)
+    parser.add_argument("--gpu-optimizer", choices=sorted(GPU_OPTIMIZERS), default="adamw")
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    results = {
+        "upstream 0.19.2": attempt("upstream 0.19.2", upstream_class, device, args),
+        "fork": attempt("fork", fork_class, device, args),
+    }
+    report(results, device, args)
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"{device}_{args.gpu_optimizer}_{args.offload_fraction}"
+    png = os.path.join(args.out, f"resume_check_{tag}.png")
+    plot(results, png)
+    with open(os.path.join(args.out, f"resume_check_{tag}.json"), "w", encoding="utf-8") as out:
+        json.dump({"device": device, "args": vars(args), "results": results}, out, indent=1)
+    print(f"\nplot: {png}")
+    return 0 if results["fork"].get("exact") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
