@@ -166,7 +166,8 @@ def load_dist(model, optimizer, folder, sharding_type):
         "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata),
     }
     loaded = dist_checkpointing.load(state, folder)
-    model.load_state_dict(loaded["model"])
+    # The DDP wrapper names its sharded keys with a "module." prefix it does not load with.
+    model.load_state_dict({k.removeprefix("module."): v for k, v in loaded["model"].items()})
     optimizer.load_state_dict(loaded["optimizer"])
 
 

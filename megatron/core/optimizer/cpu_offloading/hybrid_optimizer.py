@@ -130,11 +130,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             widen = self.param_update_in_fp32 and param.dtype != torch.float32
             if id(param) in candidate_ids and offloaded < budget:
                 offloaded += param.numel()
+                # A widened (fp32) copy stays pageable, as upstream's does, so pinned host
+                # memory per parameter is what upstream pins: the gradient buffers.
                 inner = torch.empty(
                     param.shape,
                     dtype=torch.float32 if widen else param.dtype,
                     device="cpu",
-                    pin_memory=self.pin_cpu_params and param.is_cuda,
+                    pin_memory=self.pin_cpu_params and param.is_cuda and not widen,
                 )
                 inner.copy_(param.detach())
                 self.gpu_params_map_cpu_copy[param] = inner
