@@ -51,12 +51,16 @@ class GroupStepAdamW(torch.optim.Optimizer):
                 param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / correction1)
 
 
-def _torch_adamw(params, **kwargs):
-    on_cuda = any(p.is_cuda for group in params for p in group["params"])
-    return torch.optim.AdamW(params, fused=True if on_cuda else None, **kwargs)
+class DeviceAdamW(torch.optim.AdamW):
+    """torch AdamW, fused where its parameters live on CUDA (as Megatron runs it there)."""
+
+    def __init__(self, params, **kwargs):
+        params = list(params)
+        on_cuda = any(p.is_cuda for group in params for p in group["params"])
+        super().__init__(params, fused=True if on_cuda else None, **kwargs)
 
 
-INNER_OPTIMIZERS = {"torch_adamw": _torch_adamw, "group_step_adamw": GroupStepAdamW}
+INNER_OPTIMIZERS = {"torch_adamw": DeviceAdamW, "group_step_adamw": GroupStepAdamW}
 
 
 def make_params(dtype, seed=0):
@@ -266,7 +270,7 @@ def test_defaults_rebuild_an_equivalent_optimizer_and_stay_out_of_param_groups()
         [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}], **optimizer.defaults
     )
     assert rebuilt.defaults == optimizer.defaults
-    assert rebuilt.defaults["cpu_optimizer_cls"] is _torch_adamw
+    assert rebuilt.defaults["cpu_optimizer_cls"] is DeviceAdamW
     assert [len(o.param_groups[0]["params"]) for o in rebuilt.cpu_optimizers] == [
         len(o.param_groups[0]["params"]) for o in optimizer.cpu_optimizers
     ]

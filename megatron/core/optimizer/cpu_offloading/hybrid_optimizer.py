@@ -15,7 +15,7 @@ optimizer does.
 
 import contextlib
 from collections import defaultdict
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
@@ -70,34 +70,30 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params,
-        offload_fraction=0.5,
-        cpu_optimizer_cls=None,
-        gpu_optimizer_cls=None,
+        params: Iterable[Any],
+        offload_fraction: float = 0.5,
+        cpu_optimizer_cls: Optional[Type[torch.optim.Optimizer]] = None,
+        gpu_optimizer_cls: Optional[Type[torch.optim.Optimizer]] = None,
         param_update_in_fp32: bool = False,
         pin_cpu_grads: bool = True,
         pin_cpu_params: bool = True,
         overlap_cpu_optimizer_d2h_h2d: bool = True,
-        **kwargs,
+        **kwargs: Any,
     ):
+        options = dict(
+            offload_fraction=offload_fraction,
+            cpu_optimizer_cls=cpu_optimizer_cls,
+            gpu_optimizer_cls=gpu_optimizer_cls,
+            param_update_in_fp32=param_update_in_fp32,
+            pin_cpu_grads=pin_cpu_grads,
+            pin_cpu_params=pin_cpu_params,
+            overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d,
+        )
+        # Param groups only carry what the sub-optimizers read; the options are also
+        # attributes of the same names, as Megatron code reads them.
         super().__init__(params, dict(kwargs))
-        self.defaults = {
-            "offload_fraction": offload_fraction,
-            "cpu_optimizer_cls": cpu_optimizer_cls,
-            "gpu_optimizer_cls": gpu_optimizer_cls,
-            "param_update_in_fp32": param_update_in_fp32,
-            "pin_cpu_grads": pin_cpu_grads,
-            "pin_cpu_params": pin_cpu_params,
-            "overlap_cpu_optimizer_d2h_h2d": overlap_cpu_optimizer_d2h_h2d,
-            **kwargs,
-        }
-        self.offload_fraction = offload_fraction
-        self.cpu_optimizer_cls = cpu_optimizer_cls
-        self.gpu_optimizer_cls = gpu_optimizer_cls
-        self.param_update_in_fp32 = param_update_in_fp32
-        self.pin_cpu_grads = pin_cpu_grads
-        self.pin_cpu_params = pin_cpu_params
-        self.overlap_cpu_optimizer_d2h_h2d = overlap_cpu_optimizer_d2h_h2d
+        vars(self).update(options)
+        self.defaults = {**options, **kwargs}
         self.sub_optimizer_kwargs = kwargs
 
         self._place_params()
