@@ -308,10 +308,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 pin_memory=self.pin_cpu_grads and grad.is_cuda,
             )
             self.cpu_copy_map_grad[host] = buffer
+        if grad.dtype != buffer.dtype:
+            grad = grad.to(buffer.dtype)  # widen on the device, where it is cheap
         buffer.copy_(grad.view_as(buffer), non_blocking=grad.is_cuda)
         host.grad = buffer
 
     def _copy_host_params_back(self, optimizer: torch.optim.Optimizer):
+        """Upload the parameters ``optimizer`` has just stepped (H2D for host copies)."""
         stream = self._h2d_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
@@ -319,8 +322,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for group in optimizer.param_groups:
                 for host in group["params"]:
                     param = self.cpu_copys_map_gpu_param.get(host)
-                    if param is not None:
-                        param.data.copy_(host.view_as(param), non_blocking=param.is_cuda)
+                    if param is None or host.grad is None:  # not stepped: nothing changed
+                        continue
+                    source = host
+                    if host.dtype != param.dtype:
+                        # Narrow on the host into the gradient buffer this step has just
+                        # consumed: the upload then reads pinned memory at half the bytes,
+                        # and needs no buffer of its own.
+                        source = host.grad.view(-1).view(param.dtype)[: host.numel()]
+                        source.copy_(host.view(-1))
+                    param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
 
     def _mirror_group_steps(self, steps_before: List[Any]):
         """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
