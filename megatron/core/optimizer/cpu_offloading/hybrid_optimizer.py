@@ -19,6 +19,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
+from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step
+
 # Lets tests and tools tell this implementation from upstream's.
 FORK_IMPLEMENTATION = True
 
@@ -515,39 +517,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 else:
                     param.decoupled_grad.zero_()
 
-    @torch.no_grad()
     def dummy_step(self):
         """Materialise the sub-optimizers' state without changing anything else.
 
-        Parameters that have no state yet take one step with a zero gradient, a zero
-        learning rate and no weight decay; then their step counters are reset and the
-        hyperparameters restored, so the result equals a never-stepped optimizer whose
-        state tensors already exist (what an in-place checkpoint load needs).
+        Each sub-optimizer takes a null step (zero gradients, learning rate and weight
+        decay) on its parameters that have no state yet, then gets its counters and
+        hyperparameters back: the result equals a never-stepped optimizer whose state
+        tensors already exist, which is what an in-place checkpoint load needs.
         """
         for optimizer in self.sub_optimizers:
-            saved = []
-            for group in optimizer.param_groups:
-                fresh = [p for p in group["params"] if not optimizer.state.get(p)]
-                saved.append((group, dict(group), [(p, p.grad) for p in fresh]))
-                group["params"] = fresh
-                for key in ("lr", "weight_decay"):
-                    if key in group:
-                        value = group[key]
-                        group[key] = torch.zeros_like(value) if torch.is_tensor(value) else 0.0
-                for param in fresh:
-                    param.grad = torch.zeros_like(param)
-            if any(group["params"] for group in optimizer.param_groups):
-                optimizer.step()
-            for group, settings, grads in saved:
-                group.clear()
-                group.update(settings)
-                for param, grad in grads:
-                    param.grad = grad
-                    step = optimizer.state.get(param, {}).get("step")
-                    if isinstance(step, torch.Tensor):
-                        step.zero_()
-                    elif step is not None:
-                        optimizer.state[param]["step"] = 0
+            materialise_by_null_step(optimizer)
         self._sync_sub_optimizers_state_to_hdo()
 
 

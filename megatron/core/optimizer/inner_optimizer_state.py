@@ -1,0 +1,179 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""The contract between the distributed optimizer and the optimizer it wraps.
+
+The distributed optimizer saves and loads each parameter shard's fp32 master value and
+optimizer state, and needs that state to exist before an in-place checkpoint load. Inner
+optimizers keep these in different places: torch's Adam family in ``state[p]`` with a
+per-parameter ``step`` tensor; TE/Apex FusedAdam in ``state[p]`` with the step in
+``param_group["step"]``, scaled and in lower precision when precision-aware; the
+HybridDeviceOptimizer behind its ``master_param`` entries. :class:`InnerOptimizerState`
+hides those differences behind five operations, chosen by what the optimizer offers
+rather than by its class.
+"""
+
+from typing import Dict, Iterator, Optional, Sequence
+
+import torch
+
+MASTER = "master_param"
+"""State key of an fp32 master copy kept by the inner optimizer."""
+
+
+@torch.no_grad()
+def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
+    """Create the state of every parameter that has none, changing nothing else.
+
+    The parameters without state take one step with zero gradients, a zero learning rate
+    and no weight decay (so neither they nor their moments move), after which every step
+    counter the step advanced is put back and the param groups are restored. The result is
+    the state a never-stepped optimizer would create on its first step.
+
+    Args:
+        optimizer: any optimizer whose step reads ``lr`` and ``weight_decay`` from its groups.
+    """
+    saved = []
+    for group in optimizer.param_groups:
+        fresh = [p for p in group["params"] if not optimizer.state.get(p)]
+        saved.append((group, dict(group), [(p, p.grad) for p in fresh]))
+        group["params"] = fresh
+        for key in ("lr", "weight_decay"):
+            if key in group:
+                value = group[key]
+                group[key] = torch.zeros_like(value) if torch.is_tensor(value) else 0.0
+        for param in fresh:
+            param.grad = torch.zeros_like(param)
+    try:
+        if any(group["params"] for group in optimizer.param_groups):
+            optimizer.step()
+    finally:
+        for group, settings, grads in saved:
+            group.clear()
+            group.update(settings)
+            for param, grad in grads:
+                param.grad = grad
+                step = optimizer.state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    step.zero_()
+                elif step is not None:
+                    optimizer.state[param]["step"] = 0
+
+
+class InnerOptimizerState:
+    """Reads and writes an inner optimizer's per-parameter state for checkpointing.
+
+    Args:
+        optimizer: the wrapped optimizer (torch, TE/Apex FusedAdam, HybridDeviceOptimizer...).
+        state_keys: the tensor state saved per parameter, e.g. ``("exp_avg", "exp_avg_sq")``
+            for Adam or ``("exp_avg",)`` for Lion.
+        precision_aware: the optimizer keeps scaled, lower-precision state and its own fp32
+            master weights, read and written through ``get_unscaled_state`` and
+            ``set_scaled_state`` (TE FusedAdam with Megatron's precision-aware optimizer).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq"),
+        precision_aware: bool = False,
+    ):
+        self.optimizer = optimizer
+        self.state_keys = tuple(state_keys)
+        self.scaled = precision_aware and hasattr(optimizer, "set_scaled_state")
+
+    def params(self) -> Iterator[torch.Tensor]:
+        """The optimizer's parameters, group by group."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def is_materialised(self) -> bool:
+        """Whether every parameter already has its state tensors."""
+        return all(
+            all(key in self.optimizer.state.get(p, {}) for key in self.state_keys)
+            for p in self.params()
+        )
+
+    def materialise(self) -> None:
+        """Create missing state in place, leaving values, counters and hyperparameters as
+        they are (the HybridDeviceOptimizer does this through its own ``dummy_step``)."""
+        if self.is_materialised():
+            return
+        dummy_step = getattr(self.optimizer, "dummy_step", None)
+        if dummy_step is not None:
+            dummy_step()
+        else:
+            materialise_by_null_step(self.optimizer)
+
+    def read(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The fp32 master value (``"param"``) and each state tensor of ``param``.
+
+        Unscaled state is a view of the live tensor wherever the optimizer keeps it in
+        fp32; precision-aware state comes back unscaled in fp32.
+        """
+        if self.scaled:
+            unscaled = self.optimizer.get_unscaled_state
+            tensors = {key: unscaled(param, key) for key in self.state_keys}
+            tensors["param"] = unscaled(param, MASTER)
+            return tensors
+        state = self.optimizer.state[param]
+        missing = [key for key in self.state_keys if key not in state]
+        if missing:
+            raise KeyError(
+                f"{type(self.optimizer).__name__} has no {missing} state for a parameter of "
+                f"shape {tuple(param.shape)}; materialise the state before reading it"
+            )
+        tensors = {key: state[key] for key in self.state_keys}
+        tensors["param"] = state.get(MASTER, param)
+        return tensors
+
+    @torch.no_grad()
+    def write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
+        """Set ``param``'s master value and state from ``tensors`` (any dtype or device).
+
+        Values are copied into the tensors the optimizer already keeps, so nothing new is
+        allocated; keys other than ``"param"`` and the state keys (a saved ``step``, say)
+        are ignored, since step counters are restored by :meth:`set_step`.
+        """
+        missing = [key for key in ("param",) + self.state_keys if key not in tensors]
+        if missing:
+            raise KeyError(f"checkpointed parameter state lacks {missing}")
+        if self.scaled:
+            setter = self.optimizer.set_scaled_state
+            setter(param, MASTER, tensors["param"].to(torch.float32))
+            for key in self.state_keys:
+                setter(param, key, tensors[key].to(torch.float32))
+            return
+        for key, live in self.read(param).items():
+            live.copy_(tensors[key].reshape(live.shape))
+
+    def step(self) -> Optional[int]:
+        """The Adam step count, wherever the optimizer keeps it (None before any step)."""
+        for param in self.params():
+            step = self.optimizer.state.get(param, {}).get("step")
+            if step is not None:
+                return int(step.item() if torch.is_tensor(step) else step)
+        for group in self.optimizer.param_groups:
+            if group.get("step") is not None and group["params"]:
+                return int(group["step"])
+        return None
+
+    def set_step(self, step: int) -> None:
+        """Restore the step count into every place the optimizer reads it from."""
+        keeps_per_param = False
+        for param in self.params():
+            state = self.optimizer.state.get(param, {})
+            if torch.is_tensor(state.get("step")):
+                state["step"].fill_(step)
+                keeps_per_param = True
+            elif "step" in state:
+                state["step"] = step
+                keeps_per_param = True
+        if not keeps_per_param:
+            for group in self.optimizer.param_groups:
+                group["step"] = step
+
+    def finish_load(self) -> None:
+        """Let the optimizer adopt state written from outside (the HDO re-syncs its
+        sub-optimizers; plain optimizers need nothing)."""
+        sync = getattr(self.optimizer, "_sync_hdo_state_to_sub_optimizers", None)
+        if sync is not None:
+            sync()

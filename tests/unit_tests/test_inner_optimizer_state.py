@@ -1,0 +1,203 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Tests for the distributed optimizer's contract with its inner optimizer (CPU)."""
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from megatron.core.optimizer.inner_optimizer_state import (
+    InnerOptimizerState,
+    materialise_by_null_step,
+)
+
+SHAPES = [(6, 4), (5,), (3, 3)]
+
+
+class CountsStepInGroups(torch.optim.SGD):
+    """SGD with momentum that also counts its steps in each param group, the way TE/Apex
+    FusedAdam keep their Adam step; its per-parameter state is ``momentum_buffer``."""
+
+    def __init__(self, params, lr=1e-2, weight_decay=0.0):
+        super().__init__(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if any(p.grad is not None for p in group["params"]):
+                group["step"] = group.get("step", 0) + 1
+        return super().step(closure)
+
+
+class ScaledStateDouble(CountsStepInGroups):
+    """Precision-aware double: keeps bf16 moments and an fp32 master, exposed unscaled in
+    fp32 through ``get_unscaled_state`` and set through ``set_scaled_state``."""
+
+    def get_unscaled_state(self, param, name):  # pylint: disable=missing-function-docstring
+        state = self.state[param]
+        if name == "master_param" and name not in state:
+            state[name] = param.detach().float().clone()
+        return state[name].float()
+
+    def set_scaled_state(self, param, name, value):  # pylint: disable=missing-function-docstring
+        assert value.dtype == torch.float32
+        dtype = torch.float32 if name == "master_param" else torch.bfloat16
+        state = self.state[param]
+        if name not in state:
+            state[name] = torch.empty_like(value, dtype=dtype)
+        state[name].copy_(value)
+
+
+def make(optimizer_cls, seed=0, **kwargs):
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator)) for s in SHAPES]
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
+    return params, optimizer_cls(groups, **kwargs)
+
+
+def train(params, optimizer, steps, seed):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS = {"torch_adamw": ADAM_KEYS, "group_step": ("momentum_buffer",), "hdo": ADAM_KEYS}
+OPTIMIZERS = {
+    "torch_adamw": lambda groups, **kw: torch.optim.AdamW(groups, lr=1e-2, **kw),
+    "group_step": CountsStepInGroups,
+    "hdo": lambda groups, **kw: HybridDeviceOptimizer(
+        groups,
+        offload_fraction=0.5,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True,
+        lr=1e-2,
+        **kw,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_materialise_changes_nothing_and_trains_like_a_fresh_optimizer(name):
+    params, optimizer = make(OPTIMIZERS[name])
+    reference_params, reference = make(OPTIMIZERS[name])
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    access = InnerOptimizerState(optimizer, STATE_KEYS[name])
+    assert not access.is_materialised()
+    access.materialise()
+    assert access.is_materialised()
+    for param, reference_param in zip(params, reference_params):
+        assert torch.equal(param, reference_param)
+        assert not access.read(param)[STATE_KEYS[name][0]].any()
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == groups
+    assert access.step() in (None, 0)
+    train(params, optimizer, 3, seed=1)
+    train(reference_params, reference, 3, seed=1)
+    for param, reference_param in zip(params, reference_params):
+        assert torch.equal(param, reference_param)
+
+
+def test_null_step_leaves_existing_state_alone():
+    params, optimizer = make(OPTIMIZERS["torch_adamw"])
+    params[0].grad = torch.ones_like(params[0])
+    optimizer.step()
+    before = {k: v.clone() for k, v in optimizer.state[params[0]].items()}
+    value = params[0].detach().clone()
+    materialise_by_null_step(optimizer)
+    for key, tensor in before.items():
+        assert torch.equal(optimizer.state[params[0]][key], tensor)
+    assert torch.equal(params[0], value)
+    assert all(key in optimizer.state[p] for p in params for key in ("exp_avg", "step"))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_write_restores_a_checkpoint_in_place_and_resumes_exactly(name):
+    params, optimizer = make(OPTIMIZERS[name])
+    source = InnerOptimizerState(optimizer, STATE_KEYS[name])
+    train(params, optimizer, 3, seed=1)
+    saved = {
+        i: {k: v.detach().clone() for k, v in source.read(p).items()} for i, p in enumerate(params)
+    }
+    saved_step = source.step()
+    train(params, optimizer, 2, seed=2)
+
+    resumed_params, resumed = make(OPTIMIZERS[name], seed=5)
+    target = InnerOptimizerState(resumed, STATE_KEYS[name])
+    target.materialise()
+    live = {
+        i: {k: v.data_ptr() for k, v in target.read(p).items()}
+        for i, p in enumerate(resumed_params)
+    }
+    for index, param in enumerate(resumed_params):
+        with torch.no_grad():
+            param.copy_(saved[index]["param"])  # the model checkpoint
+        target.write(param, {**saved[index], "step": torch.tensor(99.0)})
+    target.set_step(saved_step)
+    target.finish_load()
+    for index, param in enumerate(resumed_params):
+        assert {k: v.data_ptr() for k, v in target.read(param).items()} == live[index]
+    train(resumed_params, resumed, 2, seed=2)
+    for param, resumed_param in zip(params, resumed_params):
+        assert torch.equal(param, resumed_param)
+
+
+def test_state_without_a_step_entry_loads_without_a_key_error():
+    """Upstream's Adam init_state_fn creates moments but no ``step``: writing a checkpoint
+    (which has no per-parameter step either) must not look for one."""
+    params, optimizer = make(OPTIMIZERS["torch_adamw"])
+    for param in params:
+        optimizer.state[param]["exp_avg"] = torch.zeros_like(param)
+        optimizer.state[param]["exp_avg_sq"] = torch.zeros_like(param)
+    access = InnerOptimizerState(optimizer)
+    for param in params:
+        ones = torch.ones_like(param)
+        access.write(param, {"param": ones, "exp_avg": ones, "exp_avg_sq": ones})
+        assert torch.equal(optimizer.state[param]["exp_avg"], ones)
+
+
+def test_a_missing_state_key_is_named():
+    params, optimizer = make(OPTIMIZERS["torch_adamw"])
+    access = InnerOptimizerState(optimizer)
+    with pytest.raises(KeyError, match="exp_avg"):
+        access.read(params[0])
+    access.materialise()
+    with pytest.raises(KeyError, match="exp_avg_sq"):
+        access.write(params[0], {"param": params[0], "exp_avg": params[0]})
+
+
+@pytest.mark.parametrize("name, per_param", [("torch_adamw", True), ("group_step", False)])
+def test_step_is_read_and_restored_where_the_optimizer_keeps_it(name, per_param):
+    params, optimizer = make(OPTIMIZERS[name])
+    train(params, optimizer, 4, seed=1)
+    access = InnerOptimizerState(optimizer, STATE_KEYS[name])
+    assert access.step() == 4
+    access.set_step(7)
+    assert access.step() == 7
+    if per_param:
+        assert all(float(optimizer.state[p]["step"]) == 7.0 for p in params)
+    else:
+        assert [g["step"] for g in optimizer.param_groups] == [7, 7]
+
+
+def test_lion_like_state_keys():
+    params, optimizer = make(OPTIMIZERS["torch_adamw"])
+    access = InnerOptimizerState(optimizer, state_keys=("exp_avg",))
+    access.materialise()
+    assert set(access.read(params[0])) == {"param", "exp_avg"}
+
+
+def test_precision_aware_state_is_read_unscaled_and_written_through_the_setter():
+    params, optimizer = make(ScaledStateDouble)
+    access = InnerOptimizerState(optimizer, precision_aware=True)
+    for param in params:
+        value = torch.full(param.shape, 0.5)
+        access.write(param, {"param": value, "exp_avg": value, "exp_avg_sq": value})
+        state = optimizer.state[param]
+        assert state["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(state["master_param"], value)
+        tensors = access.read(param)
+        assert all(t.dtype == torch.float32 for t in tensors.values())
+        assert torch.equal(tensors["exp_avg"], value)
