@@ -1,0 +1,970 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Tests for loading TE FusedAdam state without a second copy of the moments.
+
+Transformer Engine is absent here, so ``FusedAdamDouble`` stands in for its FusedAdam and is
+registered by monkeypatching ``fused_adam_state_load.fused_adam_classes``. Allocations are
+counted by wrapping the double's ``_initialize_state``, and reuse is checked by identity and
+``data_ptr``, since there is no accelerator memory counter on the CPU.
+"""
+
+import io
+import logging
+import os
+
+import pytest
+import torch
+
+if os.environ.get("MEGATRON_OPTIMIZER_FORK", "").strip().lower() in ("0", "off", "false", "no"):
+    pytest.skip("the module under test exists only in the fork", allow_module_level=True)
+
+# pylint: disable=wrong-import-position
+from megatron.core.optimizer import fused_adam_state_load as fsl
+
+SHAPES = [(4, 3), (5,), (2, 2, 2)]
+
+
+def _int_wrap(values, bits):
+    """Reinterprets non-negative int64 values as signed integers of ``bits`` bits."""
+    return torch.where(values >= 2 ** (bits - 1), values - 2**bits, values)
+
+
+def join_remainders(param, remainders):
+    """Rebuilds fp32 master values from bf16 parameters and their int16 low halves."""
+    high = (param.detach().view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    low = remainders.to(torch.int64) & 0xFFFF
+    return _int_wrap(high | low, 32).to(torch.int32).view(torch.float32)
+
+
+def split_remainders(master):
+    """Splits fp32 master values into bf16 high halves and int16 low halves (exact round trip)."""
+    bits = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = _int_wrap(bits >> 16, 16).to(torch.int16).view(torch.bfloat16)
+    low = _int_wrap(bits & 0xFFFF, 16).to(torch.int16)
+    return high, low
+
+
+class FusedAdamDouble(torch.optim.Optimizer):
+    """A CPU stand-in for Transformer Engine FusedAdam's state-loading contract.
+
+    It mirrors what the loader under test relies on, not TE's kernels:
+
+    * constructor flags ``master_weights``, ``master_weight_dtype``, ``exp_avg_dtype``,
+      ``exp_avg_sq_dtype``, ``store_param_remainders`` (kept only for fp32 master weights) and
+      ``capturable``; ``name_to_dtype_map`` and ``_scales`` (one fp32 ``[1]`` scale per
+      non-fp32 state of a parameter);
+    * ``_initialize_state`` allocates one tensor shaped like the parameter in the mapped dtype
+      (int16 zeros for remainders) and a fresh scale for non-fp32 dtypes;
+    * ``set_scaled_state`` takes an fp32 value (int16 for remainders), allocates the state if
+      it is absent, then copies: a plain copy for fp32, a cast for bf16, and for fp16 (and
+      uint8, standing in for fp8) a scale of absmax over the dtype's range, with the input
+      divided by it in place before the copy;
+    * ``state_dict`` returns unscaled values (fp32, or the int16 remainders), the fp32 state
+      tensors themselves;
+    * ``load_state_dict`` runs torch's base load (which casts to each parameter's dtype), then
+      empties each parameter's state and sets every incoming value again through
+      ``set_scaled_state``, so each state is allocated anew next to the incoming tensor.
+
+    ``step`` keeps the Adam step in ``param_group["step"]`` and does a plain AdamW update in
+    fp32 (from master weights where kept). Not reproduced: Float8Tensor (uint8 states are plain
+    uint8 tensors), DTensor re-wrapping of allocated state, tensor learning rates of capturable
+    mode, and the fused kernels' arithmetic.
+    """
+
+    RANGES = {torch.float16: torch.finfo(torch.float16).max / 2.0, torch.uint8: 448.0}
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        *,
+        bias_correction=True,
+        capturable=False,
+        master_weights=False,
+        master_weight_dtype=torch.float32,
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+        store_param_remainders=False,
+    ):
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction
+        )
+        super().__init__(params, defaults)
+        self.capturable = capturable
+        self.master_weights = master_weights
+        self.name_to_dtype_map = {
+            "exp_avg": exp_avg_dtype,
+            "exp_avg_sq": exp_avg_sq_dtype,
+            "master_param": master_weight_dtype,
+        }
+        self._scales = {}
+        self.store_param_remainders = (
+            store_param_remainders and master_weights and master_weight_dtype == torch.float32
+        )
+
+    def _keeps_remainders(self, param, name):
+        """Whether state ``name`` of ``param`` holds int16 remainders."""
+        return (
+            self.store_param_remainders and name == "master_param" and param.dtype == torch.bfloat16
+        )
+
+    def _initialize_state(self, param, state_name, zero_buffer, store_param_remainders=False):
+        """Allocates one state tensor for ``param`` (and its scale when not fp32)."""
+        dtype = self.name_to_dtype_map[state_name]
+        if store_param_remainders:
+            data = torch.zeros(param.shape, dtype=torch.int16, device=param.device)
+        else:
+            data = torch.empty(param.shape, dtype=dtype, device=param.device)
+            if zero_buffer:
+                data.zero_()
+        self.state[param][state_name] = data
+        if dtype != torch.float32:
+            self._scales.setdefault(param, {})[state_name] = torch.ones(
+                [1], dtype=torch.float32, device=param.device
+            )
+
+    def initialize_state(self, param, store_param_remainders):
+        """Creates zero moments and, with master weights, the master copy of ``param``."""
+        self._initialize_state(param, "exp_avg", True)
+        self._initialize_state(param, "exp_avg_sq", True)
+        if self.master_weights:
+            self._initialize_state(param, "master_param", False, store_param_remainders)
+            if not store_param_remainders:
+                self.set_scaled_state(param, "master_param", param.detach().float().clone())
+
+    def set_scaled_state(self, param, state_name, unscaled_state):
+        """Writes an unscaled value into the state, allocating it first if it is absent."""
+        remainders = self._keeps_remainders(param, state_name)
+        expected = torch.int16 if remainders else torch.float32
+        assert unscaled_state.dtype == expected, (state_name, unscaled_state.dtype)
+        if state_name not in self.state[param]:
+            self._initialize_state(param, state_name, False, remainders)
+        target = self.state[param][state_name]
+        dtype = self.name_to_dtype_map[state_name]
+        if dtype in (torch.float32, torch.bfloat16) or remainders:
+            target.copy_(unscaled_state)
+            return
+        scale = self._scales[param][state_name]
+        absmax = unscaled_state.abs().max().to(torch.float32)
+        scale.copy_(absmax / self.RANGES[dtype])
+        inverse = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
+        unscaled_state.mul_(inverse)
+        target.copy_(unscaled_state)
+
+    def get_unscaled_state(self, param, state_name):
+        """Returns the state as fp32 values (int16 remainders and fp32 states as they are)."""
+        value = self.state[param][state_name]
+        dtype = self.name_to_dtype_map[state_name]
+        if dtype == torch.float32:
+            return value
+        if dtype == torch.float16:
+            return value.float() * self._scales[param][state_name]
+        return value.float()
+
+    def state_dict(self):
+        """Torch's state dict with every state replaced by its unscaled value."""
+        result = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        ids = [i for group in result["param_groups"] for i in group["params"]]
+        by_id = dict(zip(ids, params))
+        for key, entry in result["state"].items():
+            param = by_id[key]
+            result["state"][key] = {name: self.get_unscaled_state(param, name) for name in entry}
+        return result
+
+    def load_state_dict(self, state_dict):
+        """Torch's base load, then every state set again (and so allocated again)."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        by_id = dict(zip(ids, params))
+        for key, entry in state_dict["state"].items():
+            if key not in by_id:
+                continue
+            param = by_id[key]
+            self.state[param] = {}
+            for name, value in entry.items():
+                if value is None:
+                    continue
+                if fsl.DTensor is not None and isinstance(value, fsl.DTensor):
+                    value = value.to_local()
+                if self._keeps_remainders(param, name):
+                    self.set_scaled_state(param, name, value)
+                else:
+                    self.set_scaled_state(param, name, value.float())
+
+    @torch.no_grad()
+    def step(self, closure=None):  # pylint: disable=unused-argument
+        """One AdamW step in fp32; the step count lives in each param group."""
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            count = group["step"]
+            beta1, beta2 = group["betas"]
+            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+            fix1 = 1.0 - beta1 ** count if group["bias_correction"] else 1.0
+            fix2 = 1.0 - beta2 ** count if group["bias_correction"] else 1.0
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                remainders = self._keeps_remainders(param, "master_param")
+                if not state:
+                    self.initialize_state(param, remainders)
+                grad = param.grad.float()
+                exp_avg = self.get_unscaled_state(param, "exp_avg")
+                exp_avg_sq = self.get_unscaled_state(param, "exp_avg_sq")
+                if not self.master_weights:
+                    master = param.data if param.dtype == torch.float32 else param.float()
+                elif remainders:
+                    master = join_remainders(param, state["master_param"])
+                else:
+                    master = self.get_unscaled_state(param, "master_param")
+                exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+                master.mul_(1.0 - lr * decay)
+                denom = (exp_avg_sq / fix2).sqrt_().add_(eps)
+                master.addcdiv_(exp_avg, denom, value=-lr / fix1)
+                for name, value in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                    if self.name_to_dtype_map[name] != torch.float32:
+                        self.set_scaled_state(param, name, value)
+                if remainders:
+                    high, low = split_remainders(master)
+                    param.copy_(high)
+                    state["master_param"].copy_(low)
+                    continue
+                if self.master_weights and self.name_to_dtype_map["master_param"] != torch.float32:
+                    self.set_scaled_state(param, "master_param", master.clone())
+                if master is not param.data:
+                    param.copy_(master)
+
+
+# name: (parameter dtype, optimizer kwargs, dtype of each incoming state, expected path,
+#        names whose incoming tensor becomes the state as it is)
+MODES = {
+    "fp32": (torch.float32, {}, {}, "adopt", ("exp_avg", "exp_avg_sq")),
+    "bf16_moments": (
+        torch.bfloat16,
+        dict(master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+        dict(exp_avg=torch.bfloat16, exp_avg_sq=torch.bfloat16),
+        "materialise",
+        ("exp_avg", "exp_avg_sq", "master_param"),
+    ),
+    "fp16_moments": (
+        torch.bfloat16,
+        dict(master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
+        {},
+        "materialise",
+        ("master_param",),
+    ),
+    "fp32_master": (
+        torch.bfloat16,
+        dict(master_weights=True),
+        {},
+        "materialise",
+        ("exp_avg", "exp_avg_sq", "master_param"),
+    ),
+    "remainders": (
+        torch.bfloat16,
+        dict(master_weights=True, store_param_remainders=True),
+        {},
+        "materialise",
+        ("exp_avg", "exp_avg_sq", "master_param"),
+    ),
+    "fp16_master": (
+        torch.float16,
+        dict(master_weights=True, master_weight_dtype=torch.float16),
+        {},
+        "materialise",
+        ("exp_avg", "exp_avg_sq"),
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def register_double(monkeypatch):
+    """Makes the loader treat FusedAdamDouble as TE's FusedAdam."""
+    monkeypatch.setattr(fsl, "fused_adam_classes", lambda: (FusedAdamDouble,))
+
+
+@pytest.fixture
+def allocations(monkeypatch):
+    """Records (state name, dtype) of every state the double allocates."""
+    calls = []
+    original = FusedAdamDouble._initialize_state
+
+    def counting(self, param, state_name, zero_buffer, store_param_remainders=False):
+        original(self, param, state_name, zero_buffer, store_param_remainders)
+        calls.append((state_name, self.state[param][state_name].dtype))
+
+    monkeypatch.setattr(FusedAdamDouble, "_initialize_state", counting)
+    return calls
+
+
+@pytest.fixture
+def own_loads(monkeypatch):
+    """Records every call of the double's own load_state_dict."""
+    calls = []
+    original = FusedAdamDouble.load_state_dict
+
+    def recording(self, state_dict):
+        calls.append(self)
+        original(self, state_dict)
+
+    monkeypatch.setattr(FusedAdamDouble, "load_state_dict", recording)
+    return calls
+
+
+def make_params(dtype, seed=0, shapes=SHAPES):
+    """Parameters with deterministic values."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype)) for shape in shapes]
+
+
+def clone_params(params):
+    """Independent copies of ``params``."""
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def make_optimizer(params, kwargs, groups=1):
+    """A FusedAdamDouble over ``params`` split into ``groups`` groups with distinct lrs."""
+    if groups == 1:
+        return FusedAdamDouble(params, lr=1e-2, weight_decay=0.1, **kwargs)
+    split = [{"params": params[i::groups], "lr": 1e-2 * (i + 1)} for i in range(groups)]
+    return FusedAdamDouble(split, lr=1e-2, weight_decay=0.1, **kwargs)
+
+
+def train(optimizer, params, steps, seed):
+    """Takes ``steps`` steps with deterministic gradients."""
+    for index in range(steps):
+        gen = torch.Generator().manual_seed(1000 * seed + index)
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=gen).to(param.dtype)
+        optimizer.step()
+
+
+def checkpoint(optimizer, incoming_dtypes=None):
+    """A saved-and-reloaded copy of the state dict, states cast as the mode's scaffold has them."""
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    for entry in saved["state"].values():
+        for name, dtype in (incoming_dtypes or {}).items():
+            entry[name] = entry[name].to(dtype)
+    return saved
+
+
+def copy_state_dict(state_dict):
+    """A deep copy whose tensors share nothing with the original."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def trained_setup(mode, steps=3, seed=0):
+    """Runs a mode's optimizer for some steps; returns (params, optimizer, checkpoint)."""
+    dtype, kwargs, incoming_dtypes, _, _ = MODES[mode]
+    params = make_params(dtype, seed)
+    optimizer = make_optimizer(params, kwargs)
+    train(optimizer, params, steps, seed)
+    return params, optimizer, checkpoint(optimizer, incoming_dtypes)
+
+
+def fresh(mode, params):
+    """A new optimizer of a mode over copies of ``params``."""
+    copies = clone_params(params)
+    return copies, make_optimizer(copies, MODES[mode][1])
+
+
+def synthetic_state_dict(optimizer, seed=5, names=("exp_avg", "exp_avg_sq"), dtype=None):
+    """A state dict for ``optimizer`` with random states and a changed lr and step."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = optimizer.state_dict()["param_groups"]
+    for group in groups:
+        group["lr"] = 0.5
+        group["step"] = 7
+    state = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for key, param in enumerate(params):
+        state[key] = {
+            name: torch.rand(param.shape, generator=gen).to(dtype or torch.float32)
+            for name in names
+        }
+    return {"state": state, "param_groups": groups}
+
+
+def record(optimizer):
+    """What the optimizer holds now: objects to compare by identity and values to compare."""
+    return {
+        "state": optimizer.state,
+        "entries": {
+            p: (d, dict(d), {k: v.clone() for k, v in d.items()})
+            for p, d in optimizer.state.items()
+        },
+        "groups": optimizer.param_groups,
+        "group_entries": [(g, dict(g)) for g in optimizer.param_groups],
+        "scales": optimizer._scales,
+        "scale_entries": {
+            p: (d, dict(d), {k: v.clone() for k, v in d.items()})
+            for p, d in optimizer._scales.items()
+        },
+    }
+
+
+def assert_unchanged(optimizer, before):
+    """Asserts the optimizer holds exactly what ``record`` saw."""
+    assert optimizer.state is before["state"]
+    assert set(optimizer.state) == set(before["entries"])
+    for param, (entry, items, values) in before["entries"].items():
+        assert optimizer.state[param] is entry
+        assert entry.keys() == items.keys()
+        for name, tensor in items.items():
+            assert entry[name] is tensor
+            assert torch.equal(tensor, values[name])
+    assert optimizer.param_groups is before["groups"]
+    assert len(optimizer.param_groups) == len(before["group_entries"])
+    for group, (old_group, items) in zip(optimizer.param_groups, before["group_entries"]):
+        assert group is old_group
+        assert group.keys() == items.keys()
+        assert all(group[key] is items[key] for key in items)
+    assert optimizer._scales is before["scales"]
+    assert set(optimizer._scales) == set(before["scale_entries"])
+    for param, (entry, items, values) in before["scale_entries"].items():
+        assert optimizer._scales[param] is entry
+        assert entry.keys() == items.keys()
+        for name, tensor in items.items():
+            assert entry[name] is tensor
+            assert torch.equal(tensor, values[name])
+
+
+def all_params(optimizer):
+    """The optimizer's parameters in order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def test_double_own_loader_allocates_a_second_copy(allocations):
+    """The double reproduces the problem: every state is allocated again on load."""
+    params, _, saved = trained_setup("fp32")
+    _, optimizer = fresh("fp32", params)
+    allocations.clear()
+    optimizer.load_state_dict(saved)
+    assert len(allocations) == 2 * len(SHAPES)
+    for key, param in enumerate(all_params(optimizer)):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert optimizer.state[param][name].data_ptr() != saved["state"][key][name].data_ptr()
+            assert torch.equal(optimizer.state[param][name], saved["state"][key][name])
+
+
+def test_adopt_reuses_incoming_tensors(allocations, own_loads):
+    """fp32 moments become the state as they are: same objects, no allocation, no copy."""
+    params, _, saved = trained_setup("fp32")
+    _, optimizer = fresh("fp32", params)
+    own_params_list = optimizer.param_groups[0]["params"]
+    ptrs = {k: {n: t.data_ptr() for n, t in e.items()} for k, e in saved["state"].items()}
+    allocations.clear()
+
+    plan = fsl.load_fused_adam_state_dict(optimizer, saved)
+
+    assert plan.path == "adopt"
+    assert allocations == []
+    assert own_loads == []
+    for key, param in enumerate(all_params(optimizer)):
+        state = optimizer.state[param]
+        assert set(state) == {"exp_avg", "exp_avg_sq"}
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert state[name] is saved["state"][key][name]
+            assert state[name].data_ptr() == ptrs[key][name]
+    group = optimizer.param_groups[0]
+    assert group["params"] is own_params_list
+    assert group["step"] == 3
+    assert group["lr"] == saved["param_groups"][0]["lr"]
+
+
+def test_adopt_takes_hyperparameters_from_the_state_dict():
+    """Group hyperparameters and the step come from the state dict, params stay the optimizer's."""
+    params = make_params(torch.float32)
+    optimizer = make_optimizer(params, {}, groups=2)
+    incoming = synthetic_state_dict(optimizer)
+    incoming["param_groups"][1]["weight_decay"] = 0.25
+    incoming["param_groups"][0]["schedule"] = [1, 2]
+    own = [group["params"] for group in optimizer.param_groups]
+
+    assert fsl.load_fused_adam_state_dict(optimizer, incoming).path == "adopt"
+
+    for group, params_list in zip(optimizer.param_groups, own):
+        assert group["params"] is params_list
+        assert group["lr"] == 0.5
+        assert group["step"] == 7
+    assert optimizer.param_groups[1]["weight_decay"] == 0.25
+    assert optimizer.param_groups[0]["weight_decay"] == 0.1
+    # The saved groups are deep-copied: changing them later changes nothing loaded.
+    incoming["param_groups"][0]["lr"] = 9.0
+    incoming["param_groups"][0]["schedule"].append(3)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    assert optimizer.param_groups[0]["schedule"] == [1, 2]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_steps_after_load_match_own_loader_exactly(mode, own_loads):
+    """After either load, the same steps give torch.equal parameters and states."""
+    params, _, saved = trained_setup(mode)
+    ours_params, ours = fresh(mode, params)
+    theirs_params, theirs = fresh(mode, params)
+
+    plan = fsl.load_fused_adam_state_dict(ours, copy_state_dict(saved))
+    theirs.load_state_dict(copy_state_dict(saved))
+
+    assert plan.path == MODES[mode][3]
+    assert own_loads == [theirs]
+    train(ours, ours_params, 4, seed=9)
+    train(theirs, theirs_params, 4, seed=9)
+    for mine, other in zip(ours_params, theirs_params):
+        assert torch.equal(mine, other)
+    for mine, other in zip(all_params(ours), all_params(theirs)):
+        assert ours.state[mine].keys() == theirs.state[other].keys()
+        for name in ours.state[mine]:
+            assert torch.equal(ours.state[mine][name], theirs.state[other][name])
+    assert [g["step"] for g in ours.param_groups] == [7]
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16_moments", "fp32_master", "remainders"])
+def test_resume_matches_uninterrupted_run(mode):
+    """Where the checkpoint holds the exact state, resuming equals never stopping."""
+    dtype, kwargs, incoming_dtypes, _, _ = MODES[mode]
+    params = make_params(dtype)
+    run = make_optimizer(params, kwargs)
+    train(run, params, 3, seed=0)
+    saved = checkpoint(run, incoming_dtypes)
+    resumed_params = clone_params(params)
+    resumed = make_optimizer(resumed_params, kwargs)
+
+    fsl.load_fused_adam_state_dict(resumed, saved)
+
+    train(run, params, 3, seed=4)
+    train(resumed, resumed_params, 3, seed=4)
+    for original, again in zip(params, resumed_params):
+        assert torch.equal(original, again)
+
+
+@pytest.mark.parametrize("mode", sorted(m for m in MODES if MODES[m][3] == "materialise"))
+def test_precision_modes_hold_one_tensor_per_state(mode, allocations, own_loads):
+    """Fitting tensors are reused as they are; the others are allocated once, with scales."""
+    params, _, saved = trained_setup(mode)
+    _, ours = fresh(mode, params)
+    _, theirs = fresh(mode, params)
+    reused = MODES[mode][4]
+    incoming = copy_state_dict(saved)
+    ptrs = {k: {n: t.data_ptr() for n, t in e.items()} for k, e in incoming["state"].items()}
+    allocations.clear()
+
+    plan = fsl.load_fused_adam_state_dict(ours, incoming)
+
+    assert plan.path == "materialise"
+    assert own_loads == []
+    names = {"exp_avg", "exp_avg_sq", "master_param"}
+    allocated = sorted(names - set(reused))
+    assert sorted(name for name, _ in allocations) == sorted(allocated * len(SHAPES))
+    for key, param in enumerate(all_params(ours)):
+        state = ours.state[param]
+        assert set(state) == names
+        for name in reused:
+            assert state[name] is incoming["state"][key][name]
+            assert state[name].data_ptr() == ptrs[key][name]
+        for name in allocated:
+            assert state[name].data_ptr() != ptrs[key][name]
+            assert state[name].dtype == ours.name_to_dtype_map[name]
+
+    allocations.clear()
+    theirs.load_state_dict(copy_state_dict(saved))
+    assert len(allocations) == 3 * len(SHAPES)
+    for mine, other in zip(all_params(ours), all_params(theirs)):
+        for name in names:
+            assert ours.state[mine][name].dtype == theirs.state[other][name].dtype
+            assert torch.equal(ours.state[mine][name], theirs.state[other][name])
+        assert ours._scales.get(mine, {}).keys() == theirs._scales.get(other, {}).keys()
+        for name, scale in ours._scales.get(mine, {}).items():
+            assert torch.equal(scale, theirs._scales[other][name])
+
+
+def test_fp16_materialise_leaves_caller_tensors_alone_unless_released():
+    """Scaling divides in place: the caller's fp32 tensors are kept unless handed over."""
+    params, _, saved = trained_setup("fp16_moments")
+    _, kept = fresh("fp16_moments", params)
+    incoming = copy_state_dict(saved)
+    fsl.load_fused_adam_state_dict(kept, incoming)
+    for key in saved["state"]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(incoming["state"][key][name], saved["state"][key][name])
+
+    _, released = fresh("fp16_moments", params)
+    handed_over = copy_state_dict(saved)
+    fsl.load_fused_adam_state_dict(released, handed_over, release_incoming=True)
+    assert handed_over["state"] == {}
+    for mine, other in zip(all_params(kept), all_params(released)):
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            assert torch.equal(kept.state[mine][name], released.state[other][name])
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(kept._scales[mine][name], released._scales[other][name])
+
+
+def test_precision_aware_flag_turns_adopt_into_materialise(allocations):
+    """With precision_aware, fp32 state is materialised, which still reuses every tensor."""
+    params, _, saved = trained_setup("fp32")
+    _, optimizer = fresh("fp32", params)
+    allocations.clear()
+    plan = fsl.load_fused_adam_state_dict(optimizer, saved, precision_aware=True)
+    assert plan.path == "materialise"
+    assert "precision-aware" in plan.reason
+    assert allocations == []
+    for key, param in enumerate(all_params(optimizer)):
+        assert optimizer.state[param]["exp_avg"] is saved["state"][key]["exp_avg"]
+
+
+def _fp8(optimizer):
+    return FusedAdamDouble(all_params(optimizer), exp_avg_dtype=torch.uint8), {}
+
+
+def _master_without_master_weights(optimizer):
+    return optimizer, {"names": ("exp_avg", "exp_avg_sq", "master_param")}
+
+
+def _unknown_key(optimizer):
+    return optimizer, {"extra_key": 99}
+
+
+def _broadcast_shape(optimizer):
+    return optimizer, {"reshape": (3,)}
+
+
+def _none_value(optimizer):
+    return optimizer, {"none": "exp_avg_sq"}
+
+
+def _aliased(optimizer):
+    return optimizer, {"alias": True}
+
+
+def _missing_scales(optimizer):
+    del optimizer._scales
+    return optimizer, {}
+
+
+def _hook(optimizer):
+    optimizer.register_load_state_dict_post_hook(lambda opt: None)
+    return optimizer, {}
+
+
+class _OwnLoader(FusedAdamDouble):
+    """A subclass with a load_state_dict of its own."""
+
+    def load_state_dict(self, state_dict):
+        """Delegates to the double's loader."""
+        super().load_state_dict(state_dict)
+
+
+def _overridden(optimizer):
+    return _OwnLoader(all_params(optimizer)), {}
+
+
+FALLBACKS = {
+    "fp8": (_fp8, "fp8"),
+    "unexpected_name": (_master_without_master_weights, "unexpected state keys"),
+    "unknown_key": (_unknown_key, "no parameter group lists"),
+    "shape": (_broadcast_shape, "shape mismatch"),
+    "none_value": (_none_value, "not a plain tensor"),
+    "aliased": (_aliased, "share memory"),
+    "missing_feature": (_missing_scales, "lacks _scales"),
+    "hooks": (_hook, "hooks"),
+    "overridden": (_overridden, "overrides"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+def test_fallback_modes_use_the_optimizers_own_loader(case, allocations, own_loads):
+    """Each unsupported case names its reason and goes through the double's loader."""
+    make, reason = FALLBACKS[case]
+    optimizer, edits = make(make_optimizer(make_params(torch.float32), {}))
+    incoming = synthetic_state_dict(optimizer, names=edits.get("names", ("exp_avg", "exp_avg_sq")))
+    first = incoming["state"][0]
+    if "extra_key" in edits:
+        incoming["state"][edits["extra_key"]] = {"exp_avg": torch.zeros(1)}
+    if "reshape" in edits:
+        first["exp_avg"] = torch.full(edits["reshape"], 0.25)
+    if "none" in edits:
+        first[edits["none"]] = None
+    if "alias" in edits:
+        first["exp_avg_sq"] = first["exp_avg"]
+
+    plan = fsl.load_fused_adam_state_dict(optimizer, incoming)
+
+    assert plan.path == "fallback"
+    assert reason in plan.reason
+    assert own_loads == [optimizer]
+    assert optimizer.param_groups[0]["step"] == 7
+    assert len(allocations) > 0
+    param = all_params(optimizer)[1]
+    assert optimizer.state[param]["exp_avg"] is not incoming["state"][1]["exp_avg"]
+
+
+@pytest.mark.parametrize(
+    "flag, reason",
+    [("is_hybrid", "HybridDeviceOptimizer"), ("is_fsdp", "FSDP"), ("is_stub", "stub")],
+)
+def test_caller_flags_force_the_fallback(flag, reason, own_loads):
+    """The caller-level conditions override an otherwise adoptable load."""
+    params, _, saved = trained_setup("fp32")
+    _, optimizer = fresh("fp32", params)
+    plan = fsl.load_fused_adam_state_dict(optimizer, saved, **{flag: True})
+    assert plan == fsl.LoadPlan("fallback", plan.reason)
+    assert reason in plan.reason
+    assert own_loads == [optimizer]
+    first = all_params(optimizer)[0]
+    assert optimizer.state[first]["exp_avg"] is not saved["state"][0]["exp_avg"]
+
+
+def test_dtensor_state_falls_back(tmp_path, own_loads):
+    """DTensor states are left to the optimizer's own loader."""
+    if fsl.DTensor is None or not torch.distributed.is_available():
+        pytest.skip("torch without distributed support")
+    # pylint: disable=import-outside-toplevel
+    from torch.distributed.tensor import DeviceMesh, Replicate
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        optimizer = make_optimizer(make_params(torch.float32), {})
+        incoming = synthetic_state_dict(optimizer)
+        local = incoming["state"][0]["exp_avg"]
+        incoming["state"][0]["exp_avg"] = fsl.DTensor.from_local(local, mesh, [Replicate()])
+        plan = fsl.load_fused_adam_state_dict(optimizer, incoming)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert plan.path == "fallback"
+    assert "DTensor" in plan.reason
+    assert own_loads == [optimizer]
+    assert torch.equal(optimizer.state[all_params(optimizer)[0]]["exp_avg"], local)
+
+
+def test_not_a_fused_adam_is_left_to_its_class():
+    """A torch optimizer is loaded by its own class, untouched by this module."""
+    params = make_params(torch.float32)
+    source = torch.optim.AdamW(params, lr=0.1)
+    train(source, params, 2, seed=1)
+    saved = copy_state_dict(source.state_dict())
+    target = torch.optim.AdamW(clone_params(params), lr=0.3)
+    plan = fsl.load_fused_adam_state_dict(target, saved)
+    assert plan.path == "fallback"
+    assert "not a Transformer Engine FusedAdam" in plan.reason
+    for mine, other in zip(all_params(target), params):
+        assert torch.equal(target.state[mine]["exp_avg"], source.state[other]["exp_avg"])
+        assert torch.equal(target.state[mine]["step"], source.state[other]["step"])
+    assert target.param_groups[0]["lr"] == 0.1
+
+
+def test_without_transformer_engine_everything_falls_back(monkeypatch, own_loads):
+    """With no FusedAdam class registered, even the double goes through its own loader."""
+    monkeypatch.setattr(fsl, "fused_adam_classes", lambda: ())
+    params, _, saved = trained_setup("fp32")
+    _, optimizer = fresh("fp32", params)
+    plan = fsl.load_fused_adam_state_dict(optimizer, saved)
+    assert plan.path == "fallback"
+    assert "not a Transformer Engine FusedAdam" in plan.reason
+    assert own_loads == [optimizer]
+
+
+def test_fused_adam_classes_reflects_transformer_engine(monkeypatch):
+    """The real lookup finds TE's FusedAdam when TE imports, and nothing otherwise."""
+    monkeypatch.undo()
+    found = fsl.fused_adam_classes()
+    try:
+        # pylint: disable=import-outside-toplevel
+        from transformer_engine.pytorch.optimizers import FusedAdam
+    except (ImportError, OSError, RuntimeError):
+        assert found == ()
+    else:
+        assert found == (FusedAdam,)
+
+
+@pytest.mark.parametrize("change", ["group_count", "group_size"])
+def test_mismatched_groups_raise_before_any_change(change, own_loads):
+    """Groups that do not pair up raise a ValueError naming the counts; nothing changes."""
+    params, optimizer, _ = trained_setup("fp16_moments")
+    incoming = synthetic_state_dict(optimizer)
+    if change == "group_count":
+        incoming["param_groups"].append(dict(incoming["param_groups"][0], params=[]))
+        message = "2 parameter groups, the optimizer has 1"
+    else:
+        incoming["param_groups"][0]["params"] = incoming["param_groups"][0]["params"][:-1]
+        message = f"holds {len(params) - 1} parameters in the state dict and {len(params)}"
+    before = record(optimizer)
+
+    with pytest.raises(ValueError, match=message):
+        fsl.load_fused_adam_state_dict(optimizer, incoming)
+
+    assert own_loads == []
+    assert_unchanged(optimizer, before)
+
+
+def test_shape_mismatch_falls_back_and_restores_when_the_loader_raises(own_loads):
+    """A state that cannot fit its parameter goes to the own loader, whose failure is undone."""
+    _, optimizer, _ = trained_setup("fp32")
+    incoming = synthetic_state_dict(optimizer)
+    incoming["state"][2]["exp_avg"] = torch.zeros(7)
+    assert "shape mismatch" in fsl.plan_fused_adam_load(optimizer, incoming).reason
+    before = record(optimizer)
+
+    with pytest.raises(RuntimeError):
+        fsl.load_fused_adam_state_dict(optimizer, incoming)
+
+    assert own_loads == [optimizer]
+    assert_unchanged(optimizer, before)
+
+
+def test_failing_own_loader_is_undone(monkeypatch):
+    """A fallback loader that swaps state, groups and scales and then raises is undone."""
+    _, optimizer, _ = trained_setup("fp16_moments")
+    incoming = synthetic_state_dict(optimizer)
+    before = record(optimizer)
+
+    def swapping(self, state_dict):  # pylint: disable=unused-argument
+        self.state = {}
+        self.param_groups = []
+        self._scales = {}
+        raise RuntimeError("own loader failed")
+
+    monkeypatch.setattr(FusedAdamDouble, "load_state_dict", swapping)
+    with pytest.raises(RuntimeError, match="own loader failed"):
+        fsl.load_fused_adam_state_dict(optimizer, incoming, is_hybrid=True)
+
+    assert_unchanged(optimizer, before)
+
+
+def test_failure_midway_restores_everything(monkeypatch):
+    """set_scaled_state raising on its second call leaves the optimizer exactly as it was."""
+    params, optimizer, _ = trained_setup("fp16_moments")
+    _, _, other = trained_setup("fp16_moments", steps=2, seed=3)
+    before = record(optimizer)
+    calls = []
+    original = FusedAdamDouble.set_scaled_state
+
+    def failing(self, param, state_name, unscaled_state):
+        calls.append(state_name)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+        original(self, param, state_name, unscaled_state)
+
+    monkeypatch.setattr(FusedAdamDouble, "set_scaled_state", failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        fsl.load_fused_adam_state_dict(optimizer, other)
+    monkeypatch.setattr(FusedAdamDouble, "set_scaled_state", original)
+
+    assert len(calls) == 2
+    assert_unchanged(optimizer, before)
+    # The restored optimizer still works: a retry loads the other state.
+    assert fsl.load_fused_adam_state_dict(optimizer, other).path == "materialise"
+    assert optimizer.param_groups[0]["step"] == 2
+    assert optimizer.state[params[0]]["exp_avg"].dtype == torch.float16
+
+
+def test_allocator_cache_released_only_when_state_was_replaced(monkeypatch):
+    """empty_cache runs once, and only when CUDA is up and old state tensors were dropped."""
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    params, optimizer, saved = trained_setup("fp32")
+
+    _, fresh_optimizer = fresh("fp32", params)
+    fsl.load_fused_adam_state_dict(fresh_optimizer, copy_state_dict(saved))
+    assert emptied == []
+
+    fsl.load_fused_adam_state_dict(optimizer, optimizer.state_dict())
+    assert emptied == []
+
+    fsl.load_fused_adam_state_dict(optimizer, copy_state_dict(saved))
+    assert emptied == [True]
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    fsl.load_fused_adam_state_dict(optimizer, copy_state_dict(saved))
+    assert emptied == [True]
+
+
+def test_logs_the_path_once_per_call(caplog):
+    """One log line per load names the path and, for the fallback, the reason."""
+    params, _, saved = trained_setup("fp32")
+    _, optimizer = fresh("fp32", params)
+    with caplog.at_level(logging.INFO, logger=fsl.__name__):
+        fsl.load_fused_adam_state_dict(optimizer, copy_state_dict(saved))
+        fsl.load_fused_adam_state_dict(optimizer, copy_state_dict(saved), is_fsdp=True)
+    messages = [r.getMessage() for r in caplog.records if r.name == fsl.__name__]
+    assert len(messages) == 2
+    assert "adopt" in messages[0]
+    assert "fallback" in messages[1] and "Megatron-FSDP" in messages[1]
+
+
+class Member:
+    """A chained optimizer's member: a wrapper with an inner ``.optimizer``."""
+
+    def __init__(self, optimizer, is_stub_optimizer=False):
+        self.optimizer = optimizer
+        self.is_stub_optimizer = is_stub_optimizer
+
+
+class Chained:
+    """A ChainedOptimizer-like object."""
+
+    def __init__(self, members):
+        self.chained_optimizers = members
+
+
+def test_chained_dense_and_expert_optimizers_load_each_their_way(allocations):
+    """Dense fp32 adopts, expert bf16-moment state materialises, each from its own dict."""
+    dense_params, _, dense_saved = trained_setup("fp32", seed=1)
+    expert_params, _, expert_saved = trained_setup("bf16_moments", seed=2)
+    _, dense = fresh("fp32", dense_params)
+    _, expert = fresh("bf16_moments", expert_params)
+    chained = Chained([Member(dense), Member(expert), Member(None, is_stub_optimizer=True)])
+    allocations.clear()
+
+    plans = fsl.load_chained_fused_adam_state_dicts(
+        chained, {"0": dense_saved, "1": expert_saved, "2": {}}
+    )
+
+    assert [plan.path for plan in plans] == ["adopt", "materialise", "fallback"]
+    assert allocations == []
+    first_dense, first_expert = all_params(dense)[0], all_params(expert)[0]
+    assert dense.state[first_dense]["exp_avg"] is dense_saved["state"][0]["exp_avg"]
+    assert expert.state[first_expert]["exp_avg"] is expert_saved["state"][0]["exp_avg"]
+    assert expert.state[first_expert]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_chained_count_mismatch_raises_before_loading():
+    """A missing state dict for a member is an error before any member is loaded."""
+    params, _, saved = trained_setup("fp32")
+    _, dense = fresh("fp32", params)
+    _, expert = fresh("fp32", params)
+    with pytest.raises(ValueError, match="got 1 state dicts for a chained optimizer of 2"):
+        fsl.load_chained_fused_adam_state_dicts(Chained([Member(dense), Member(expert)]), [saved])
+    assert len(dense.state) == 0 and len(expert.state) == 0
+
+
+def test_layer_wise_optimizer_is_left_alone(own_loads):
+    """A LayerWiseDistributedOptimizer is detected and nothing of it is loaded."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    params, _, saved = trained_setup("fp32")
+    _, optimizer = fresh("fp32", params)
+    layer_wise = object.__new__(LayerWiseDistributedOptimizer)
+    layer_wise.chained_optimizers = [Member(optimizer)]
+
+    assert fsl.is_layer_wise_optimizer(layer_wise)
+    assert not fsl.is_layer_wise_optimizer(Chained([Member(optimizer)]))
+    assert fsl.load_chained_fused_adam_state_dicts(layer_wise, [saved]) is None
+    assert len(optimizer.state) == 0
+    assert "step" not in optimizer.param_groups[0]
+    assert own_loads == []
