@@ -162,14 +162,7 @@ def plan_fused_adam_load(
 
 
 def load_fused_adam_state_dict(
-    optimizer: Any,
-    state_dict: Any,
-    *,
-    precision_aware: bool = False,
-    is_hybrid: bool = False,
-    is_fsdp: bool = False,
-    is_stub: bool = False,
-    release_incoming: bool = False,
+    optimizer: Any, state_dict: Any, *, release_incoming: bool = False, **flags: bool
 ) -> LoadPlan:
     """Loads ``state_dict`` into ``optimizer`` along the path :func:`plan_fused_adam_load` picks.
 
@@ -202,12 +195,10 @@ def load_fused_adam_state_dict(
     Args:
         optimizer: The inner (torch) optimizer, normally a TE FusedAdam.
         state_dict: A torch optimizer state dict: ``{"state": ..., "param_groups": ...}``.
-        precision_aware: See :func:`plan_fused_adam_load`.
-        is_hybrid: See :func:`plan_fused_adam_load`.
-        is_fsdp: See :func:`plan_fused_adam_load`.
-        is_stub: See :func:`plan_fused_adam_load`.
         release_incoming: The caller hands the state dict's per-parameter entries over, so
             they may be dropped as soon as they are loaded (materialise path only).
+        **flags: The caller's situation (``precision_aware``, ``is_hybrid``, ``is_fsdp``,
+            ``is_stub``), as :func:`plan_fused_adam_load` takes them.
 
     Returns:
         LoadPlan: The path that was taken and why.
@@ -216,14 +207,7 @@ def load_fused_adam_state_dict(
         ValueError: The parameter groups do not match (raised before anything changes).
         Exception: Whatever the load raised, after the optimizer has been restored.
     """
-    plan = plan_fused_adam_load(
-        optimizer,
-        state_dict,
-        precision_aware=precision_aware,
-        is_hybrid=is_hybrid,
-        is_fsdp=is_fsdp,
-        is_stub=is_stub,
-    )
+    plan = plan_fused_adam_load(optimizer, state_dict, **flags)
     _log_plan(optimizer, plan)
 
     snapshot = _Snapshot(optimizer)
