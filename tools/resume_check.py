@@ -17,6 +17,8 @@ import argparse
 import gc
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -268,6 +270,23 @@ def plot(results, path):
     figure.savefig(path, dpi=110)
 
 
+IMPLEMENTATIONS = {"upstream 0.19.2": upstream_class, "fork": fork_class}
+
+
+def run_in_own_process(name, device):
+    """Run one implementation in a fresh interpreter, so that neither sees the other's
+    allocator caches, and return its figures."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "result.json")
+        command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
+        command += ["--device", device, "--implementation", name, "--result-file", path]
+        finished = subprocess.run(command, check=False)
+        if finished.returncode != 0 or not os.path.exists(path):
+            return {"error": f"the {name} run exited with {finished.returncode}", "name": name}
+        with open(path, encoding="utf-8") as result:
+            return json.load(result)
+
+
 def main():
     """Parse arguments, run both implementations, report and plot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -280,15 +299,19 @@ def main():
     parser.add_argument("--offload-fraction", type=float, default=0.5)
     parser.add_argument("--gpu-optimizer", choices=sorted(GPU_OPTIMIZERS), default="adamw")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--implementation", choices=sorted(IMPLEMENTATIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    results = {
-        "upstream 0.19.2": attempt("upstream 0.19.2", upstream_class, device, args),
-        "fork": attempt("fork", fork_class, device, args),
-    }
+    if args.implementation:  # one side of the comparison, in a process of its own
+        result = attempt(args.implementation, IMPLEMENTATIONS[args.implementation], device, args)
+        with open(args.result_file, "w", encoding="utf-8") as out:
+            json.dump(result, out)
+        return 0
+    results = {name: run_in_own_process(name, device) for name in IMPLEMENTATIONS}
     report(results, device, args)
     os.makedirs(args.out, exist_ok=True)
     tag = f"{device}_{args.gpu_optimizer}_{args.offload_fraction}"
