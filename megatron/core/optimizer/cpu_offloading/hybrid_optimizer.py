@@ -310,7 +310,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 pin_memory=self.pin_cpu_grads and grad.is_cuda,
             )
             self.cpu_copy_map_grad[host] = buffer
-        if grad.dtype != buffer.dtype:
+        if grad.is_cuda and grad.dtype != buffer.dtype:
             grad = grad.to(buffer.dtype)  # widen on the device, where it is cheap
         buffer.copy_(grad.view_as(buffer), non_blocking=grad.is_cuda)
         host.grad = buffer
@@ -327,7 +327,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     if param is None or host.grad is None:  # not stepped: nothing changed
                         continue
                     source = host
-                    if host.dtype != param.dtype:
+                    if param.is_cuda and host.dtype != param.dtype:
                         # Narrow on the host into the gradient buffer this step has just
                         # consumed: the upload then reads pinned memory at half the bytes,
                         # and needs no buffer of its own.
@@ -383,8 +383,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 continue
             inner_state = optimizer.state[inner]
             for key, value in list(entry.items()):
-                if inner_state.get(key) is value:
-                    continue
+                if value is (inner if key == _MASTER else inner_state.get(key)):
+                    continue  # the common case: nothing was written from outside
                 settled = self._settle(inner, optimizer, inner_state.get(key), key, value)
                 entry[key] = settled
                 if key != _MASTER:
