@@ -414,16 +414,21 @@ def record(optimizer):
     }
 
 
-def assert_unchanged(optimizer, before):
-    """Asserts the optimizer holds exactly what ``record`` saw."""
-    assert optimizer.state is before["state"]
-    assert set(optimizer.state) == set(before["entries"])
-    for param, (entry, items, values) in before["entries"].items():
-        assert optimizer.state[param] is entry
+def _assert_same_entries(mapping, recorded):
+    """Asserts a per-parameter mapping holds the very dicts and tensors ``record`` saw."""
+    assert set(mapping) == set(recorded)
+    for param, (entry, items, values) in recorded.items():
+        assert mapping[param] is entry
         assert entry.keys() == items.keys()
         for name, tensor in items.items():
             assert entry[name] is tensor
             assert torch.equal(tensor, values[name])
+
+
+def assert_unchanged(optimizer, before):
+    """Asserts the optimizer holds exactly what ``record`` saw."""
+    assert optimizer.state is before["state"]
+    _assert_same_entries(optimizer.state, before["entries"])
     assert optimizer.param_groups is before["groups"]
     assert len(optimizer.param_groups) == len(before["group_entries"])
     for group, (old_group, items) in zip(optimizer.param_groups, before["group_entries"]):
@@ -431,13 +436,7 @@ def assert_unchanged(optimizer, before):
         assert group.keys() == items.keys()
         assert all(group[key] is items[key] for key in items)
     assert optimizer._scales is before["scales"]
-    assert set(optimizer._scales) == set(before["scale_entries"])
-    for param, (entry, items, values) in before["scale_entries"].items():
-        assert optimizer._scales[param] is entry
-        assert entry.keys() == items.keys()
-        for name, tensor in items.items():
-            assert entry[name] is tensor
-            assert torch.equal(tensor, values[name])
+    _assert_same_entries(optimizer._scales, before["scale_entries"])
 
 
 def all_params(optimizer):
