@@ -55,6 +55,14 @@ def make(optimizer_cls, seed=0, **kwargs):
     return params, optimizer_cls(groups, **kwargs)
 
 
+def assert_trains_alike(params, optimizer, reference_params, reference, seed):
+    """Three steps on the same gradients leave both sets of parameters equal."""
+    train(params, optimizer, 3, seed=seed)
+    train(reference_params, reference, 3, seed=seed)
+    for param, reference_param in zip(params, reference_params):
+        assert torch.equal(param, reference_param)
+
+
 def train(params, optimizer, steps, seed):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -95,10 +103,7 @@ def test_materialise_changes_nothing_and_trains_like_a_fresh_optimizer(name):
         assert not access.read(param)[STATE_KEYS[name][0]].any()
     assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == groups
     assert access.step() in (None, 0)
-    train(params, optimizer, 3, seed=1)
-    train(reference_params, reference, 3, seed=1)
-    for param, reference_param in zip(params, reference_params):
-        assert torch.equal(param, reference_param)
+    assert_trains_alike(params, optimizer, reference_params, reference, seed=1)
 
 
 def test_null_step_leaves_existing_state_alone():
@@ -202,3 +207,31 @@ def test_precision_aware_state_is_read_unscaled_and_written_through_the_setter()
         tensors = access.read(param)
         assert all(t.dtype == torch.float32 for t in tensors.values())
         assert torch.equal(tensors["exp_avg"], value)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_retarget_keeps_the_optimizer_and_trains_the_new_groups_like_a_fresh_one(name):
+    params, optimizer = make(OPTIMIZERS[name])
+    shards = [torch.nn.Parameter(p.detach().flatten()[:2].clone()) for p in params]
+    groups = [
+        dict(g, params=shards[i : i + len(g["params"])])
+        for i, g in zip((0, 2), optimizer.param_groups)
+    ]
+    InnerOptimizerState(optimizer, STATE_KEYS[name]).retarget(groups)
+    assert [p for g in optimizer.param_groups for p in g["params"]] == shards
+    assert [g.get("weight_decay") for g in optimizer.param_groups] == [
+        g.get("weight_decay") for g in groups
+    ]
+
+    expected = [torch.nn.Parameter(s.detach().clone()) for s in shards]
+    fresh = OPTIMIZERS[name](
+        [{"params": expected[:2]}, {"params": expected[2:], "weight_decay": 0.1}]
+    )
+    assert_trains_alike(shards, optimizer, expected, fresh, seed=4)
+
+
+def test_retarget_regroups_the_hybrid_optimizer_without_building_for_the_old_groups():
+    params, optimizer = make(OPTIMIZERS["hdo"])
+    shards = [torch.nn.Parameter(p.detach().flatten()[:2].clone()) for p in params]
+    InnerOptimizerState(optimizer).retarget([{"params": shards, "lr": 1e-2}])
+    assert set(optimizer.param_to_inner_param) == set(shards)

@@ -604,3 +604,71 @@ def test_steps_match_upstream_bit_for_bit(upstream_hdo_class, fraction):
     for param, upstream_param in zip(params, upstream_params):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizer.state[param][key], upstream.state[upstream_param][key])
+
+
+def test_nothing_is_placed_before_first_use():
+    """A wrapper that regroups first (the distributed optimizer) must not pay for the
+    groups it replaces: construction builds no host copy, clone or sub-optimizer."""
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, 0.5)
+    assert "param_to_inner_param" not in vars(optimizer)
+    assert "cpu_optimizers" not in vars(optimizer)
+    assert set(optimizer.param_to_inner_param) == set(params)  # reading it builds it
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_replace_param_groups_builds_for_the_new_groups_only(fraction):
+    params = make_params(torch.bfloat16)
+    shards = [torch.nn.Parameter(p.detach()[:1].clone()) for p in params]
+    optimizer = make_optimizer(params, fraction)
+    optimizer.replace_param_groups(
+        [{"params": shards[:2], "lr": 1e-2}, {"params": shards[2:], "weight_decay": 0.1}]
+    )
+    assert set(optimizer.param_to_inner_param) == set(shards)
+    assert all("offload_fraction" not in group for group in optimizer.param_groups)
+
+    expected = [torch.nn.Parameter(s.detach().clone()) for s in shards]
+    reference = make_optimizer(expected, fraction)
+    train(shards, optimizer, 3, seed=5)
+    train(expected, reference, 3, seed=5)
+    assert_equal_params(shards, expected)
+
+
+def test_replace_param_groups_refuses_an_optimizer_with_state():
+    params = make_params(torch.float32)
+    optimizer = make_optimizer(params, 0.5)
+    train(params, optimizer, 1, seed=0)
+    with pytest.raises(RuntimeError, match="already holds state"):
+        optimizer.replace_param_groups([{"params": params}])
+
+
+def test_host_optimizers_take_one_parameter_each_unless_bucketed():
+    params = [torch.zeros(n) for n in (3, 4, 5, 9, 2)]
+    groups = [{"params": params[:4], "lr": 0.1}, {"params": params[4:], "lr": 0.2}]
+    build = HybridDeviceOptimizer.build_cpu_optimizer_list
+
+    def layout(optimizers):
+        return [
+            ([p.numel() for p in o.param_groups[0]["params"]], o.param_groups[0]["lr"])
+            for o in optimizers
+        ]
+
+    one_each = layout(build(torch.optim.AdamW, groups))
+    assert one_each == [([3], 0.1), ([4], 0.1), ([5], 0.1), ([9], 0.1), ([2], 0.2)]
+    bucketed = layout(build(torch.optim.AdamW, groups, 7))
+    assert bucketed == [([3, 4], 0.1), ([5, 9], 0.1), ([2], 0.2)]
+
+
+def test_many_small_parameters_share_host_optimizers_and_step_exactly():
+    generator = torch.Generator().manual_seed(3)
+    params = [
+        torch.nn.Parameter(torch.randn(64, generator=generator).to(DEVICE, torch.bfloat16))
+        for _ in range(40)
+    ]
+    expected = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = make_optimizer(params, 1.0)
+    assert len(optimizer.cpu_optimizers) == 2  # one per group: each holds < 2**22 elements
+    reference = make_optimizer(expected, 1.0, overlap_cpu_optimizer_d2h_h2d=False)
+    train(params, optimizer, 3, seed=9)
+    train(expected, reference, 3, seed=9)
+    assert_equal_params(params, expected)

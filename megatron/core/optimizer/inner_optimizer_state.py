@@ -85,6 +85,24 @@ class InnerOptimizerState:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
+    def retarget(self, param_groups: Sequence[Dict]) -> None:
+        """Point the optimizer at new parameter groups (the shards a rank owns) in place.
+
+        An optimizer that can regroup itself (the HybridDeviceOptimizer's
+        ``replace_param_groups``) does so without building anything for the old groups; any
+        other gets the groups assigned and reloads its own state dict, which re-keys state
+        by the new parameters.
+
+        Args:
+            param_groups: dicts with ``"params"`` and the group's hyperparameters.
+        """
+        regroup = getattr(self.optimizer, "replace_param_groups", None)
+        if regroup is not None:
+            regroup(param_groups)
+            return
+        self.optimizer.param_groups = list(param_groups)
+        self.optimizer.load_state_dict(self.optimizer.state_dict())
+
     def is_materialised(self) -> bool:
         """Whether every parameter already has its state tensors."""
         return all(

@@ -39,6 +39,33 @@ _HDO_OPTIONS = (
 
 _MASTER = "master_param"
 
+# Fewest elements a host sub-optimizer steps: about 1 ms of fused host AdamW, so small
+# parameters share a call (each call costs ~0.1 ms of Python) while large ones keep their
+# own and the D2H / step / H2D pipeline stays fine-grained.
+_HOST_BUCKET_NUMEL = 1 << 22
+
+
+# What _ensure_built creates from the param groups of the moment.
+_BUILT_ON_FIRST_USE = frozenset(
+    {
+        "_host_only",
+        "gpu_params_map_cpu_copy",
+        "cpu_copys_map_gpu_param",
+        "param_to_fp32_param",
+        "param_to_inner_param",
+        "inner_param_to_orig_param",
+        "fp32_param_to_orig_param",
+        "_clones_in_place",
+        "cpu_param_groups",
+        "gpu_param_groups",
+        "cpu_optimizers",
+        "gpu_optimizer",
+        "_sub_groups",
+        "_owner",
+        "cpu_copy_map_grad",
+    }
+)
+
 
 def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
     """The entries of a param group that a sub-optimizer should follow."""
@@ -98,14 +125,64 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.defaults = {**options, **kwargs}
         self.sub_optimizer_kwargs = kwargs
 
-        self._place_params()
-        self._build_sub_optimizers()
+        # Placement and sub-optimizers are built on first use (see __getattr__), so a wrapper
+        # that regroups the parameters first never allocates for the groups it replaces.
         self._d2h_stream, self._h2d_stream = self._make_streams()
         self._d2h_events: Dict[torch.optim.Optimizer, Any] = {}
         self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state)
         self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state)
 
     # ------------------------------------------------------------------ placement
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes not set yet: those of the placement are built here.
+        if name in _BUILT_ON_FIRST_USE and not vars(self).get("_building", False):
+            self._ensure_built()
+            return getattr(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _ensure_built(self):
+        """Place the parameters and build the sub-optimizers for the current groups, once."""
+        if "param_to_inner_param" in vars(self):
+            return
+        self._building = True
+        try:
+            self._place_params()
+            self._build_sub_optimizers()
+        finally:
+            self._building = False
+
+    def replace_param_groups(self, param_groups: Iterable[Dict[str, Any]]):
+        """Regroup the parameters before any state exists, without building anything twice.
+
+        The distributed optimizer hands over the groups of the shards its rank owns; host
+        copies, gradient buffers and sub-optimizers are then built for those alone, when
+        first needed. Whatever was built for the previous groups is dropped.
+
+        Args:
+            param_groups: dicts with ``"params"`` and the group's hyperparameters.
+
+        Raises:
+            RuntimeError: if the optimizer already holds state.
+        """
+        if any(self.state.values()):
+            raise RuntimeError(
+                "HybridDeviceOptimizer.replace_param_groups: the optimizer already holds "
+                "state; regroup it before its first step or load"
+            )
+        for name in _BUILT_ON_FIRST_USE.intersection(vars(self)):
+            delattr(self, name)
+        self._d2h_events.clear()
+        self.state.clear()
+        self.param_groups = []
+        # torch fills a new group's missing keys from ``defaults``; the groups carry only the
+        # sub-optimizers' hyperparameters, never the HDO's own options.
+        defaults, self.defaults = self.defaults, dict(self.sub_optimizer_kwargs)
+        try:
+            for group in param_groups:
+                self.add_param_group({k: v for k, v in group.items() if k not in _HDO_OPTIONS})
+        finally:
+            self.defaults = defaults
 
     def _place_params(self):
         """Choose each parameter's inner tensor; fills the maps step, save and load share."""
@@ -176,7 +253,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.cpu_optimizers = []
         elif self.overlap_cpu_optimizer_d2h_h2d:
             self.cpu_optimizers = self.build_cpu_optimizer_list(
-                self.cpu_optimizer_cls, self.cpu_param_groups
+                self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_NUMEL
             )
         else:
             self.cpu_optimizers = [self.cpu_optimizer_cls(self.cpu_param_groups)]
@@ -201,15 +278,22 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
 
     @staticmethod
-    def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups):
-        """Build one host optimizer per parameter, so each can step as soon as its grad lands.
+    def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_numel: int = 0):
+        """Build the host optimizers that overlap their steps with the copies.
+
+        Each optimizer steps a run of consecutive parameters of one group holding at least
+        ``bucket_numel`` elements (one parameter each with the default 0, as upstream builds
+        them), so it can start as soon as its gradients have landed while small parameters
+        share one call.
 
         Args:
             cpu_optimizer_cls (Type[torch.optim.Optimizer]): the host optimizer class.
             cpu_param_groups (List[Dict[str, Any]]): host param groups with hyperparameters.
+            bucket_numel (int): fewest elements one optimizer steps (the last run of a group
+                may hold fewer).
 
         Returns:
-            List[torch.optim.Optimizer]: one optimizer per parameter, in group order.
+            List[torch.optim.Optimizer]: the optimizers, in group and parameter order.
         """
         optimizers = []
         for group in cpu_param_groups:
@@ -217,8 +301,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if isinstance(params, torch.Tensor):
                 params = [params]
             settings = {k: v for k, v in group.items() if k != "params"}
-            for param in params:
-                optimizers.append(cpu_optimizer_cls([{**settings, "params": [param]}]))
+            bucket, numel = [], 0
+            for index, param in enumerate(params):
+                bucket.append(param)
+                numel += param.numel()
+                if numel >= bucket_numel or index == len(params) - 1:
+                    optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
+                    bucket, numel = [], 0
         return optimizers
 
     @staticmethod
@@ -253,6 +342,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._ensure_built()
         self._sync_hdo_param_groups_to_sub_optimizers()
         self._sync_hdo_state_to_sub_optimizers()
         self._stage_grads()
@@ -466,6 +556,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         The settled state is kept aside and torch is handed an empty one, so torch's own
         load never casts state onto the public parameters' device.
         """
+        self._ensure_built()
         id_to_param = self._check_loadable(state_dict)
         loaded = {}
         for param_id, saved_entry in state_dict["state"].items():
@@ -525,6 +616,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         hyperparameters back: the result equals a never-stepped optimizer whose state
         tensors already exist, which is what an in-place checkpoint load needs.
         """
+        self._ensure_built()
         for optimizer in self.sub_optimizers:
             materialise_by_null_step(optimizer)
         self._sync_sub_optimizers_state_to_hdo()
