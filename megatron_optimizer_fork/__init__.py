@@ -95,25 +95,39 @@ def load_upstream_module(name):
     """Loads megatron-core's own copy of an overlaid module, beside the fork's.
 
     The overlay never touches ``megatron.core`` itself, so the file is found next to its
-    ``__init__``. The module is executed under a private name and does not enter
-    ``megatron.core``'s namespace; tests and benchmarks use it to compare the two.
+    ``__init__``. The module runs under a private name inside its own package (so its relative
+    imports resolve) and is cached there; it never replaces the fork's module of the same name.
+    Tests and benchmarks use it to compare the two.
 
     Args:
-        name (str): Dotted module name below ``megatron.core``, for example
-            ``"optimizer.cpu_offloading.hybrid_optimizer"``.
+        name (str): Dotted module name, below ``megatron.core`` or in full, for example
+            ``"optimizer.cpu_offloading.hybrid_optimizer"`` or
+            ``"megatron.core.optimizer.distrib_optimizer"``.
 
     Returns:
         module: upstream's module object.
     """
     # pylint: disable=import-outside-toplevel
+    import importlib
     import importlib.util
 
     import megatron.core
 
-    path = os.path.join(os.path.dirname(megatron.core.__file__), *name.split(".")) + ".py"
-    spec = importlib.util.spec_from_file_location("upstream_" + name.replace(".", "_"), path)
+    relative = name[len("megatron.core.") :] if name.startswith("megatron.core.") else name
+    package, _, leaf = f"megatron.core.{relative}".rpartition(".")
+    private = f"{package}._upstream_{leaf}"
+    if private in sys.modules:
+        return sys.modules[private]
+    importlib.import_module(package)
+    path = os.path.join(os.path.dirname(megatron.core.__file__), *relative.split(".")) + ".py"
+    spec = importlib.util.spec_from_file_location(private, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[private] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[private]
+        raise
     return module
 
 

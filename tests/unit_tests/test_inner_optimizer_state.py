@@ -235,3 +235,14 @@ def test_retarget_regroups_the_hybrid_optimizer_without_building_for_the_old_gro
     shards = [torch.nn.Parameter(p.detach().flatten()[:2].clone()) for p in params]
     InnerOptimizerState(optimizer).retarget([{"params": shards, "lr": 1e-2}])
     assert set(optimizer.param_to_inner_param) == set(shards)
+
+
+def test_empty_parameters_get_no_state_and_do_not_block_materialisation():
+    params, optimizer = make(OPTIMIZERS["torch_adamw"])
+    empty = torch.nn.Parameter(torch.empty(0))
+    optimizer.add_param_group({"params": [empty]})
+    access = InnerOptimizerState(optimizer)
+    access.materialise()
+    assert access.is_materialised()
+    assert empty not in optimizer.state or not optimizer.state[empty]
+    assert all(access.read(p)["exp_avg"].shape == p.shape for p in params)

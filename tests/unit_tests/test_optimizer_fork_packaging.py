@@ -380,3 +380,13 @@ def test_vendored_tree_uses_the_fork(tmp_path):
     assert Path(report["hdo_file"]).resolve() == vendored / HDO_RELATIVE
     assert report["fork_marker"], "the vendored module is not the fork's"
     assert report["same_class"] and report["reexport_same"]
+
+
+def test_upstream_modules_with_relative_imports_load_beside_the_fork():
+    """upstream's distrib_optimizer imports ``..dist_checkpointing`` relatively."""
+    module = fork.load_upstream_module("megatron.core.optimizer.distrib_optimizer")
+    assert module.__name__ == "megatron.core.optimizer._upstream_distrib_optimizer"
+    assert os.path.realpath(module.__file__).startswith(
+        os.path.realpath(os.path.dirname(importlib.import_module("megatron.core").__file__))
+    )
+    assert fork.load_upstream_module("optimizer.distrib_optimizer") is module

@@ -33,7 +33,8 @@ def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
     """
     saved = []
     for group in optimizer.param_groups:
-        fresh = [p for p in group["params"] if not optimizer.state.get(p)]
+        # Empty parameters get no state: FusedAdam's kernels refuse zero-element tensors.
+        fresh = [p for p in group["params"] if not optimizer.state.get(p) and p.numel() > 0]
         saved.append((group, dict(group), [(p, p.grad) for p in fresh]))
         group["params"] = fresh
         for key in ("lr", "weight_decay"):
@@ -108,6 +109,7 @@ class InnerOptimizerState:
         return all(
             all(key in self.optimizer.state.get(p, {}) for key in self.state_keys)
             for p in self.params()
+            if p.numel() > 0
         )
 
     def materialise(self) -> None:
