@@ -73,20 +73,34 @@ def train(params, optimizer, steps, seed):
 
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-STATE_KEYS = {"torch_adamw": ADAM_KEYS, "group_step": ("momentum_buffer",), "hdo": ADAM_KEYS}
+
+
+def hybrid(param_update_in_fp32):
+    """An HDO offloading half its parameters; without fp32 updates its fp32 host copies keep
+    no ``master_param`` entry, so only its parameter map says where a value lives."""
+
+    def build(groups, **kwargs):
+        return HybridDeviceOptimizer(
+            groups,
+            offload_fraction=0.5,
+            cpu_optimizer_cls=torch.optim.AdamW,
+            gpu_optimizer_cls=torch.optim.AdamW,
+            param_update_in_fp32=param_update_in_fp32,
+            lr=1e-2,
+            **kwargs,
+        )
+
+    return build
+
+
 OPTIMIZERS = {
     "torch_adamw": lambda groups, **kw: torch.optim.AdamW(groups, lr=1e-2, **kw),
     "group_step": CountsStepInGroups,
-    "hdo": lambda groups, **kw: HybridDeviceOptimizer(
-        groups,
-        offload_fraction=0.5,
-        cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW,
-        param_update_in_fp32=True,
-        lr=1e-2,
-        **kw,
-    ),
+    "hdo": hybrid(param_update_in_fp32=True),
+    "hdo_without_fp32_update": hybrid(param_update_in_fp32=False),
 }
+STATE_KEYS = {name: ADAM_KEYS for name in OPTIMIZERS}
+STATE_KEYS["group_step"] = ("momentum_buffer",)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -120,7 +134,10 @@ def test_null_step_leaves_existing_state_alone():
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_write_restores_a_checkpoint_in_place_and_resumes_exactly(name):
+@pytest.mark.parametrize("restore_model", [True, False], ids=["with_model", "state_only"])
+def test_write_restores_a_checkpoint_in_place_and_resumes_exactly(name, restore_model):
+    """``state_only``: the distributed optimizer's main params come from this state alone,
+    so the value must reach the tensor the optimizer steps (an offloaded host copy)."""
     params, optimizer = make(OPTIMIZERS[name])
     source = InnerOptimizerState(optimizer, STATE_KEYS[name])
     train(params, optimizer, 3, seed=1)
@@ -138,8 +155,9 @@ def test_write_restores_a_checkpoint_in_place_and_resumes_exactly(name):
         for i, p in enumerate(resumed_params)
     }
     for index, param in enumerate(resumed_params):
-        with torch.no_grad():
-            param.copy_(saved[index]["param"])  # the model checkpoint
+        if restore_model:
+            with torch.no_grad():
+                param.copy_(saved[index]["param"])  # the model checkpoint
         target.write(param, {**saved[index], "step": torch.tensor(99.0)})
     target.set_step(saved_step)
     target.finish_load()

@@ -142,8 +142,14 @@ class InnerOptimizerState:
                 f"shape {tuple(param.shape)}; materialise the state before reading it"
             )
         tensors = {key: state[key] for key in self.state_keys}
-        tensors["param"] = state.get(MASTER, param)
+        tensors["param"] = state.get(MASTER, self._holder(param))
         return tensors
+
+    def _holder(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer steps for ``param``: the parameter itself, or the copy an
+        offloading optimizer keeps (its ``param_to_inner_param`` map says which)."""
+        inner = getattr(self.optimizer, "param_to_inner_param", None)
+        return param if inner is None else inner.get(param, param)
 
     @torch.no_grad()
     def write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
@@ -162,8 +168,13 @@ class InnerOptimizerState:
             for key in self.state_keys:
                 setter(param, key, tensors[key].to(torch.float32))
             return
-        for key, live in self.read(param).items():
+        live_tensors = self.read(param)
+        for key, live in live_tensors.items():
             live.copy_(tensors[key].reshape(live.shape))
+        if live_tensors["param"] is not param:
+            # Readers of the public parameter (norms, the next copy to the model) see the
+            # loaded value too, not only the copy the optimizer steps.
+            param.detach().copy_(live_tensors["param"].reshape(param.shape))
 
     def step(self) -> Optional[int]:
         """The Adam step count, wherever the optimizer keeps it (None before any step)."""
