@@ -13,7 +13,9 @@ import warnings
 import pytest
 import torch
 
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from megatron_optimizer_fork.memory import pinned_bytes_in_use, release_cached_pinned_memory
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -414,10 +416,10 @@ def test_placement_follows_the_tensors_when_both_classes_are_equal():
         id(t) for o in optimizer.cpu_optimizers for g in o.param_groups for t in g["params"]
     }
     assert host_inner == {id(t) for t in optimizer.gpu_params_map_cpu_copy.values()}
+    train(params, optimizer, 1, seed=1)
     for host in optimizer.gpu_params_map_cpu_copy.values():
         assert host.device.type == "cpu"
-        assert host.is_pinned() == torch.cuda.is_available()
-    train(params, optimizer, 1, seed=1)
+        assert host.is_pinned() == torch.cuda.is_available()  # pinned by the first step
     for param in params:
         state = optimizer.state[param]
         assert state["exp_avg"].device == optimizer.param_to_inner_param[param].device
@@ -588,10 +590,14 @@ def test_steps_match_plain_adamw_on_fp32_masters(dtype, fraction):
 
 
 @requires_cuda
+@pytest.mark.parametrize("bucket_numel", [None, 16], ids=["default-buckets", "ring-reused"])
 @pytest.mark.parametrize("fraction", FRACTIONS)
-def test_steps_match_upstream_bit_for_bit(upstream_hdo_class, fraction):
+def test_steps_match_upstream_bit_for_bit(upstream_hdo_class, fraction, bucket_numel, monkeypatch):
     # pylint: disable=redefined-outer-name
-    """Same inputs, same classes: the fork's step and upstream's agree to the bit."""
+    """Same inputs, same classes: the fork's step and upstream's agree to the bit (also with
+    buckets small enough that gradient slots are reused within a step)."""
+    if bucket_numel is not None:
+        monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", bucket_numel)
     options = _options(fraction, DeviceAdamW, DeviceAdamW)
     runs = []
     for hdo_class in (upstream_hdo_class, HybridDeviceOptimizer):
@@ -672,3 +678,315 @@ def test_many_small_parameters_share_host_optimizers_and_step_exactly():
     train(params, optimizer, 3, seed=9)
     train(expected, reference, 3, seed=9)
     assert_equal_params(params, expected)
+
+
+# ---------------------------------------------------------------- the gradient ring
+# With the bucket size lowered to the parameters' size, every parameter is a bucket of its
+# own, so a handful of small parameters exercises slot reuse, slot sizing and the order of
+# downloads and host steps (on the host the same code runs, synchronously).
+
+
+def flat_params(numels, dtype, seed=0):
+    """1-D parameters of the given sizes, so each can be a bucket of its own."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(n, generator=generator).to(DEVICE, dtype)) for n in numels
+    ]
+
+
+def bucket_grads(optimizer):
+    """Per host sub-optimizer: (storage pointer, byte offset, bytes) of each staged gradient."""
+    return [
+        [
+            (
+                grad.untyped_storage().data_ptr(),
+                grad.storage_offset() * grad.element_size(),
+                grad.numel() * grad.element_size(),
+            )
+            for grad in (
+                optimizer.cpu_copy_map_grad[host] for host in sub.param_groups[0]["params"]
+            )
+        ]
+        for sub in optimizer.cpu_optimizers
+    ]
+
+
+def assert_packed_ring(optimizer):
+    """Each bucket's gradients are consecutive views into one slot, every slot holds the
+    largest bucket, consecutive buckets rotate through the slots, and the ring is smaller
+    than a buffer per parameter. Returns the number of slots."""
+    layout = bucket_grads(optimizer)
+    storages = {}
+    for views in layout:
+        assert len({ptr for ptr, _, _ in views}) == 1, "a bucket spans slots"
+        end = 0
+        for _, offset, nbytes in views:
+            assert offset >= end
+            end = offset + nbytes
+        storages.setdefault(views[0][0], set()).add(end)
+    grads = list(optimizer.cpu_copy_map_grad.values())
+    slot_bytes = {g.untyped_storage().nbytes() for g in grads}
+    assert len(slot_bytes) == 1 and slot_bytes.pop() >= max(max(e) for e in storages.values())
+    slots = len(storages)
+    order = [views[0][0] for views in layout]
+    assert order == [order[i % slots] for i in range(len(order))], "slots are not reused in turn"
+    ring = sum(
+        {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}.values()
+    )
+    assert ring <= sum(g.numel() * g.element_size() for g in grads)
+    return slots
+
+
+def train_masters_reference(params, groups_of, steps, seed, has_grad=lambda step, index: True):
+    """Plain AdamW on an fp32 master per parameter, drawing the gradients ``train`` draws."""
+    masters, references = [], []
+    for index, param in enumerate(params):
+        master = param.detach().to("cpu", torch.float32, copy=True)
+        masters.append(master)
+        references.append(
+            DeviceAdamW(
+                [{"params": [master], **groups_of(index)}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8
+            )
+        )
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for index, (param, master) in enumerate(zip(params, masters)):
+            grad = torch.randn(param.shape, generator=generator).to(param.dtype).float()
+            master.grad = grad if has_grad(step, index) else None
+        for reference in references:
+            reference.step()
+    return masters, references
+
+
+def train_drawn(params, optimizer, steps, seed, has_grad=lambda step, index: True, check=None):
+    """``train``, with some gradients left out and ``check(optimizer)`` after every step."""
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for index, param in enumerate(params):
+            grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
+            param.grad = grad if has_grad(step, index) else None
+        optimizer.step()
+        optimizer.zero_grad()
+        if check is not None:
+            check(optimizer)
+
+
+def assert_matches_reference(optimizer, params, masters, references):
+    """Parameters are their masters narrowed, moments equal the reference's, bit for bit."""
+    for param, master, reference in zip(params, masters, references):
+        assert torch.equal(param.detach().cpu(), master.to(param.dtype))
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected = reference.state[master].get(key)
+            actual = optimizer.state[param].get(key)
+            assert (expected is None) == (actual is None), key
+            if expected is not None:
+                assert torch.equal(actual.cpu(), expected)
+
+
+def _second_group_settings(index):
+    return {"weight_decay": 0.1} if index >= 2 else {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_more_buckets_than_slots_reuse_the_ring_and_step_exactly(dtype, monkeypatch):
+    """Eight buckets share a few slots in turn; a slot refilled before its bucket has stepped
+    would change the result."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    params = flat_params([64] * 8, dtype)
+    masters, references = train_masters_reference(params, _second_group_settings, 4, seed=5)
+    optimizer = make_optimizer(params, 1.0)
+    layouts = []
+    train_drawn(params, optimizer, 4, seed=5, check=lambda o: layouts.append(bucket_grads(o)))
+    assert len(layouts[0]) == 8
+    assert 1 < assert_packed_ring(optimizer) < 8
+    assert all(layout == layouts[0] for layout in layouts)  # nothing is rebuilt per step
+    assert_matches_reference(optimizer, params, masters, references)
+
+
+@pytest.mark.parametrize(
+    "numels", [[64, 64, 256, 64, 64, 64], [1024, 64, 64, 64]], ids=["one-larger", "dominant"]
+)
+def test_the_largest_bucket_sizes_the_slots(numels, monkeypatch):
+    """Slots hold the largest bucket; a dominant one leaves a single slot, never a ring
+    larger than one gradient buffer per parameter."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    params = flat_params(numels, torch.bfloat16)
+    masters, references = train_masters_reference(params, _second_group_settings, 3, seed=8)
+    optimizer = make_optimizer(params, 1.0)
+    train(params, optimizer, 3, seed=8)
+    slots = assert_packed_ring(optimizer)
+    largest = max(numels) * 4  # fp32 gradients of the largest bucket
+    assert {g.untyped_storage().nbytes() for g in optimizer.cpu_copy_map_grad.values()} == {largest}
+    if numels[0] * 2 > sum(numels):  # a dominant parameter: one slot, the ring is no larger
+        assert slots == 1
+    assert_matches_reference(optimizer, params, masters, references)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["ring", "one-slot"])
+def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monkeypatch):
+    """A parameter without a gradient is neither stepped nor uploaded, and its stale slot
+    bytes reach no other parameter, whether its bucket has other gradients or none."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 32)
+    numels = [32, 48, 32, 32, 16, 16, 32]
+
+    def has_grad(step, index):
+        # Parameter 1 (a bucket of its own) never gets one, parameter 4 every other step,
+        # parameter 5 (sharing a bucket with 4) only from the second step on.
+        return {1: False, 4: step % 2 == 0, 5: step > 0}.get(index, True)
+
+    params = flat_params(numels, torch.bfloat16)
+    masters, references = train_masters_reference(
+        params, _second_group_settings, 4, seed=2, has_grad=has_grad
+    )
+    optimizer = make_optimizer(params, 1.0, overlap_cpu_optimizer_d2h_h2d=overlap)
+    initial = params[1].detach().clone()
+    train_drawn(params, optimizer, 4, seed=2, has_grad=has_grad)
+    assert torch.equal(params[1].detach(), initial)
+    assert "exp_avg" not in optimizer.state[params[1]]
+    assert_matches_reference(optimizer, params, masters, references)
+    # Without overlap the same buckets share a single slot: each download waits for the
+    # previous bucket's step.
+    assert len(optimizer.cpu_optimizers) == 6
+    assert assert_packed_ring(optimizer) == (3 if overlap else 1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("in_fp32", [True, False])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_the_fork_pins_no_more_than_upstream(
+    upstream_hdo_class, fraction, in_fp32, overlap, monkeypatch
+):
+    """After a step, the pinned storage the fork's tensors use (ring slots, then host copies
+    in order) is at most what upstream 0.19.2's tensors use for the same run, and is exactly
+    the planned amount; a build alone (as a checkpoint load triggers) pins nothing."""
+    numel = 1 << 18
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", numel)
+    figures = {}
+    for name, cls in (("upstream", upstream_hdo_class), ("fork", HybridDeviceOptimizer)):
+        params = flat_params([numel] * 8, torch.bfloat16)
+        release_cached_pinned_memory()
+        before = pinned_bytes_in_use()
+        optimizer = make_optimizer(
+            params, fraction, param_update_in_fp32=in_fp32, overlap_cpu_optimizer_d2h_h2d=overlap
+        )
+        if name == "fork":
+            optimizer.dummy_step()
+            assert pinned_bytes_in_use() == before
+        train(params, optimizer, 1, seed=1)
+        figures[name] = pinned_bytes_in_use() - before
+        if name == "fork":
+            copies = list(optimizer.gpu_params_map_cpu_copy.values())
+            pinned = [copy.is_pinned() for copy in copies]
+            assert pinned == sorted(pinned, reverse=True)  # the last copies stay pageable
+            slots = {
+                g.untyped_storage().data_ptr(): g for g in optimizer.cpu_copy_map_grad.values()
+            }
+            assert all(g.is_pinned() for g in slots.values())
+            ring = sum(g.untyped_storage().nbytes() for g in slots.values())
+            masters = sum(c.numel() * c.element_size() for c, pin in zip(copies, pinned) if pin)
+            assert figures["fork"] == ring + masters
+        del optimizer, params
+    assert 0 < figures["fork"] <= figures["upstream"], figures
+
+
+@requires_cuda
+@pytest.mark.parametrize("overlap", [True, False], ids=["ring", "one-slot"])
+def test_a_slot_stages_only_the_pageable_uploads_of_its_last_bucket(overlap, monkeypatch):
+    """The upload narrows on the device: after a step, each slot still holds the widened
+    gradients of the last bucket that used it, except where that bucket's host copy was left
+    pageable: it goes up through the free slot, which then holds the stepped copy. Results
+    are those of the straightforward path either way."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    params = flat_params([64] * 8, torch.bfloat16)
+    masters, references = train_masters_reference(params, _second_group_settings, 1, seed=4)
+    optimizer = make_optimizer(params, 1.0, overlap_cpu_optimizer_d2h_h2d=overlap)
+    grads = []
+    generator = torch.Generator().manual_seed(4)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
+        grads.append(param.grad.float().cpu())
+    optimizer.step()
+    last_user = {}
+    for param, grad in zip(params, grads):
+        host = optimizer.gpu_params_map_cpu_copy[param]
+        staged = optimizer.cpu_copy_map_grad[host]
+        last_user[staged.untyped_storage().data_ptr()] = (staged, grad, host)
+    # Upstream's pinned budget (one fp32 gradient buffer per parameter) cannot hold the ring
+    # and every copy, so the last copies are pageable.
+    assert sum(not host.is_pinned() for _, _, host in last_user.values()) > 0
+    for staged, grad, host in last_user.values():
+        assert torch.equal(staged, grad if host.is_pinned() else host)
+    assert_matches_reference(optimizer, params, masters, references)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_fp32_params_with_only_a_decoupled_grad_are_stepped_in_place_too(fraction):
+    """The precision-aware distributed optimizer hands fp32 shards their gradient as
+    ``decoupled_grad`` alone. Those stepped in place get the same update as with ``grad``
+    (a plain AdamW on fp32 masters), state included, and no ``grad`` is left behind."""
+    params = make_params(torch.float32)
+    optimizer = make_optimizer(params, fraction)
+    reference_params = make_params(torch.float32)
+    reference = make_optimizer(reference_params, fraction)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for param, twin in zip(params, reference_params):
+            grad = torch.randn(param.shape, generator=generator).to(DEVICE)
+            param.decoupled_grad = grad
+            twin.grad = grad.clone()
+        optimizer.step()
+        reference.step()
+        assert all(param.grad is None for param in params)
+        optimizer.zero_grad()
+        reference.zero_grad()
+    assert any(inner is param for param, inner in optimizer.param_to_inner_param.items())
+    for param, twin in zip(params, reference_params):
+        assert torch.equal(param, twin)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[param][key], reference.state[twin][key]), key
+
+
+def test_upstream_pinned_bytes_counts_grad_buffers_and_unwidened_copies():
+    """0.19.2 keeps a gradient buffer per offloaded parameter in the host copy's dtype and
+    its pinned parameter copy only when that copy is the host copy (no fp32 update)."""
+    bf16 = torch.zeros(10, dtype=torch.bfloat16)
+    widened = (torch.zeros(10), bf16)
+    kept = (torch.zeros(10, dtype=torch.bfloat16), bf16)
+    assert hybrid_optimizer.upstream_pinned_bytes([widened, widened], pin_grads=True) == 80
+    assert hybrid_optimizer.upstream_pinned_bytes([widened], pin_grads=False) == 0
+    assert hybrid_optimizer.upstream_pinned_bytes([kept], pin_grads=True) == 40
+    assert hybrid_optimizer.upstream_pinned_bytes([kept], pin_grads=False) == 20
+
+
+@pytest.mark.parametrize(
+    "buckets,masters,budget,max_slots,expected",
+    [
+        # 16 equal fp32 masters, a bucket each, upstream's 4 bytes per element: the ring's
+        # three slots push the last three copies out of the budget.
+        ([4] * 16, [4] * 16, 64, 3, (3, [True] * 13 + [False] * 3)),
+        # Without overlap one slot: one copy stays pageable.
+        ([4] * 16, [4] * 16, 64, 1, (1, [True] * 15 + [False])),
+        # Unpinned slots cost no budget.
+        ([4] * 4, [4] * 4, 16, 3, (3, [True] * 4)),
+        # A slot larger than the budget still gets one; nothing else is pinned.
+        ([40], [8, 8], 20, 3, (1, [False, False])),
+        # A dominant bucket gets a single slot (no more staging than all buckets need).
+        ([12, 2, 2], [2, 2, 2], 100, 3, (1, [True] * 3)),
+        # Slots shrink to fit the budget before any copy is pinned.
+        ([10, 10, 10], [10, 10, 10], 25, 3, (2, [False] * 3)),
+        ([], [4, 4], 8, 3, (0, [False, False])),
+    ],
+)
+def test_the_pinning_plan_puts_the_ring_first_and_stays_within_budget(
+    buckets, masters, budget, max_slots, expected
+):
+    pin_slots = budget != 16
+    slots, pinned = hybrid_optimizer.plan_pinned_host_memory(
+        buckets, masters, budget, max_slots, pin_slots
+    )
+    assert (slots, pinned) == expected
+    used = (slots * max(buckets, default=0) if pin_slots else 0) + sum(
+        m for m, p in zip(masters, pinned) if p
+    )
+    assert used <= budget or slots == 1

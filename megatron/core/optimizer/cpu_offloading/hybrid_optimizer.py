@@ -1,9 +1,13 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 """An optimizer that steps part of its parameters on the host and the rest in place.
 
-The offloaded share of the parameters is stepped on host copies by ``cpu_optimizer_cls``
-(one sub-optimizer per parameter when D2H/H2D overlap is on, so each can start as soon as
-its gradient has arrived); the rest is stepped where it lives by ``gpu_optimizer_cls``.
+The offloaded share of the parameters is stepped on host copies by ``cpu_optimizer_cls``, one
+sub-optimizer per bucket of parameters, so each can start as soon as its gradients have
+arrived; the rest is stepped where it lives by ``gpu_optimizer_cls``. Offloaded gradients land
+in a small ring of host staging slots, one bucket per slot at a time, and each stepped host
+copy is uploaded as it is (an fp32 master is narrowed on the device). Pinned host memory stays
+within what megatron-core 0.19.2 keeps pinned for the same parameters; host copies that do not
+fit stay pageable and go up through a slot that has no further use in the step.
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -14,6 +18,7 @@ optimizer does.
 """
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
@@ -44,6 +49,12 @@ _MASTER = "master_param"
 # own and the D2H / step / H2D pipeline stays fine-grained.
 _HOST_BUCKET_NUMEL = 1 << 22
 
+# Gradient staging slots in the host ring: the downloads of the next buckets run while the
+# host steps the current one; the third slot absorbs jitter in either.
+_RING_SLOTS = 3
+
+# Byte alignment of each gradient inside a slot (one cache line).
+_GRAD_ALIGN = 64
 
 # What _ensure_built creates from the param groups of the moment.
 _BUILT_ON_FIRST_USE = frozenset(
@@ -56,6 +67,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "inner_param_to_orig_param",
         "fp32_param_to_orig_param",
         "_clones_in_place",
+        "_stepped_as_is",
         "cpu_param_groups",
         "gpu_param_groups",
         "cpu_optimizers",
@@ -63,6 +75,9 @@ _BUILT_ON_FIRST_USE = frozenset(
         "_sub_groups",
         "_owner",
         "cpu_copy_map_grad",
+        "_buckets",
+        "_ring",
+        "_ring_plan",
     }
 )
 
@@ -78,6 +93,101 @@ def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     return param.grad if grad is None else grad
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def upstream_pinned_bytes(copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool) -> int:
+    """Pinned bytes megatron-core 0.19.2's HDO keeps for these offloaded parameters.
+
+    It keeps a gradient buffer in the host copy's dtype (pinned if ``pin_grads``) and pins
+    a copy of each parameter, which stays only when it is the host copy itself (no fp32
+    update); a widened copy replaces it with pageable fp32.
+
+    Args:
+        copies: ``(host copy, accelerator parameter)`` per offloaded parameter.
+        pin_grads: upstream's ``pin_cpu_grads``.
+    """
+    total = 0
+    for host, param in copies:
+        if pin_grads:
+            total += _nbytes(host)
+        if host.dtype == param.dtype:
+            total += _nbytes(param)
+    return total
+
+
+def plan_pinned_host_memory(
+    bucket_nbytes: List[int],
+    master_nbytes: List[int],
+    budget: int,
+    max_slots: int,
+    pin_slots: bool = True,
+) -> Tuple[int, List[bool]]:
+    """How many gradient slots the ring gets and which host copies are pinned.
+
+    The ring comes first, since every download needs a slot: up to ``max_slots`` slots of
+    the largest bucket, no more bytes than all buckets together, fewer if they would exceed
+    ``budget``, but at least one. Host copies are then pinned in order while the total stays
+    within ``budget``, so those left pageable are the last to upload, when nothing waits
+    behind them.
+
+    Args:
+        bucket_nbytes: bytes of each bucket's staged gradients (buckets with any).
+        master_nbytes: bytes of each host copy that may be pinned, in upload order.
+        budget: the most pinned bytes allowed (what upstream keeps pinned).
+        max_slots: ring slots wanted.
+        pin_slots: whether the slots are pinned (count against ``budget``).
+
+    Returns:
+        ``(slots, pinned)``: the slot count (0 without buckets) and a flag per host copy.
+    """
+    if not bucket_nbytes:
+        return 0, [False] * len(master_nbytes)
+    slot = max(bucket_nbytes)
+    # Never more staging than a gradient buffer per parameter (a dominant bucket: one slot).
+    slots = min(max_slots, len(bucket_nbytes), max(1, sum(bucket_nbytes) // slot))
+    while pin_slots and slots > 1 and slots * slot > budget:
+        slots -= 1
+    used = slots * slot if pin_slots else 0
+    pinned = []
+    for nbytes in master_nbytes:
+        pinned.append(used + nbytes <= budget)
+        used += nbytes if pinned[-1] else 0
+    return slots, pinned
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """A host sub-optimizer and where the gradients of its offloaded parameters land.
+
+    Attributes:
+        optimizer: the host sub-optimizer.
+        grads: ``(host copy, public parameter, byte offset in the slot)`` per offloaded
+            parameter, packed in the optimizer's order.
+        nbytes: bytes of a slot these gradients fill.
+        slot: the ring slot they are staged in.
+        follower: the bucket whose download reuses that slot once this one has stepped.
+    """
+
+    optimizer: torch.optim.Optimizer
+    grads: List[Tuple[torch.Tensor, torch.Tensor, int]]
+    nbytes: int
+    slot: int = 0
+    follower: Optional[int] = None
+
+
+@dataclasses.dataclass
+class _RingPlan:
+    """What the first step allocates and pins (see ``_plan_grad_ring``)."""
+
+    slots: int
+    slot_bytes: int
+    pin_slots: bool
+    first_downloads: List[int]
+    masters_to_pin: List[torch.Tensor]
+
+
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """Adam-style optimizer that splits its parameters between host and accelerator.
 
@@ -90,10 +200,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         gpu_optimizer_cls: optimizer class for the parameters stepped in place.
         param_update_in_fp32: step 16-bit parameters on fp32 copies and keep the copy as
             the ``master_param`` state entry.
-        pin_cpu_grads: pin the host gradient buffers (only where an accelerator exists).
-        pin_cpu_params: pin the host parameter copies (only where an accelerator exists).
-        overlap_cpu_optimizer_d2h_h2d: one host sub-optimizer per parameter and side streams,
-            so copies overlap the host step.
+        pin_cpu_grads: pin the ring of host gradient slots (only where an accelerator exists).
+        pin_cpu_params: pin the host parameter copies on the first step (only where an
+            accelerator exists, and only as far as upstream's pinned total allows).
+        overlap_cpu_optimizer_d2h_h2d: download the gradients of the next host buckets while
+            the host steps the current one; without it each download waits for the previous
+            bucket's step (one staging slot).
         **kwargs: hyperparameters handed to the sub-optimizers (lr, betas, eps, ...).
     """
 
@@ -128,7 +240,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Placement and sub-optimizers are built on first use (see __getattr__), so a wrapper
         # that regroups the parameters first never allocates for the groups it replaces.
         self._d2h_stream, self._h2d_stream = self._make_streams()
-        self._d2h_events: Dict[torch.optim.Optimizer, Any] = {}
         self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state)
         self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state)
 
@@ -172,7 +283,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             )
         for name in _BUILT_ON_FIRST_USE.intersection(vars(self)):
             delattr(self, name)
-        self._d2h_events.clear()
         self.state.clear()
         self.param_groups = []
         # torch fills a new group's missing keys from ``defaults``; the groups carry only the
@@ -205,13 +315,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             widen = self.param_update_in_fp32 and param.dtype != torch.float32
             if id(param) in candidate_ids and offloaded < budget:
                 offloaded += param.numel()
-                # A widened (fp32) copy stays pageable, as upstream's does, so pinned host
-                # memory per parameter is what upstream pins: the gradient buffers.
+                # Pageable for now: the first step pins the copies it uploads from (see
+                # _plan_grad_ring), so a build that a checkpoint load triggers pins nothing.
                 inner = torch.empty(
-                    param.shape,
-                    dtype=torch.float32 if widen else param.dtype,
-                    device="cpu",
-                    pin_memory=self.pin_cpu_params and param.is_cuda and not widen,
+                    param.shape, dtype=torch.float32 if widen else param.dtype, device="cpu"
                 )
                 inner.copy_(param.detach())
                 self.gpu_params_map_cpu_copy[param] = inner
@@ -231,6 +338,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for param, clone in self.param_to_fp32_param.items()
             if param not in self.gpu_params_map_cpu_copy
         ]
+        # Parameters the in-place optimizer steps as they are (no copy, no clone).
+        self._stepped_as_is = [p for p, inner in self.param_to_inner_param.items() if inner is p]
 
     def _steps_on_host(self, inner: torch.Tensor) -> bool:
         """Whether ``inner`` is stepped by a host sub-optimizer."""
@@ -249,14 +358,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if params:
                     target.append({**_hyperparameters(group), "params": params})
 
-        if not self.cpu_param_groups:
-            self.cpu_optimizers = []
-        elif self.overlap_cpu_optimizer_d2h_h2d:
-            self.cpu_optimizers = self.build_cpu_optimizer_list(
-                self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_NUMEL
-            )
-        else:
-            self.cpu_optimizers = [self.cpu_optimizer_cls(self.cpu_param_groups)]
+        # Buckets in both modes: they bound the gradient staging (and so the pinned memory);
+        # the overlap option decides how many buckets are in flight (see _plan_grad_ring).
+        self.cpu_optimizers = self.build_cpu_optimizer_list(
+            self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_NUMEL
+        )
         self.gpu_optimizer = (
             self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
         )
@@ -275,7 +381,78 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._sub_groups.append((sub_group, group_of_inner[sub_group["params"][0]]))
                 for inner in sub_group["params"]:
                     self._owner[inner] = optimizer
+        self._plan_grad_ring()
+
+    def _plan_grad_ring(self):
+        """Lay out where each host bucket stages its gradients; allocate nothing yet.
+
+        The k-th bucket with offloaded parameters packs its gradients into ring slot
+        ``k % slots``, and the download of bucket ``k + slots`` starts once bucket ``k`` has
+        been stepped; a slot holds the largest bucket. With overlap the ring has up to
+        ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
+        each download waits for the previous bucket's step. What is pinned (the slots, then
+        the host copies in order) stays within what upstream keeps pinned for the same
+        parameters (see :func:`plan_pinned_host_memory`). The copies left pageable are the
+        last to upload; where their bucket's slot is free by then (no download follows), they
+        are staged through it (see ``_upload``).
+        """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
+        self._buckets: List[_Bucket] = []
+        staged = []
+        for optimizer in self.cpu_optimizers:
+            grads, end = [], 0
+            for group in optimizer.param_groups:
+                for host in group["params"]:
+                    param = self.cpu_copys_map_gpu_param.get(host)
+                    if param is not None:  # a host-resident parameter has its own gradient
+                        offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+                        grads.append((host, param, offset))
+                        end = offset + _nbytes(host)
+            if grads:
+                staged.append(len(self._buckets))
+            self._buckets.append(_Bucket(optimizer, grads, end))
+
+        copies = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
+        pin_slots = self.pin_cpu_grads and bool(copies)
+        masters = [host for host, _ in copies] if self.pin_cpu_params else []
+        slots, pinned_masters = plan_pinned_host_memory(
+            [self._buckets[i].nbytes for i in staged],
+            [_nbytes(host) for host in masters],
+            upstream_pinned_bytes(copies, self.pin_cpu_grads),
+            _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
+            pin_slots,
+        )
+        for k, index in enumerate(staged):
+            self._buckets[index].slot = k % slots
+            if k + slots < len(staged):
+                self._buckets[index].follower = staged[k + slots]
+        slot_bytes = max((self._buckets[i].nbytes for i in staged), default=0)
+        self._ring_plan = _RingPlan(
+            slots,
+            slot_bytes,
+            pin_slots,
+            staged[:slots],
+            [host for host, pin in zip(masters, pinned_masters) if pin],
+        )
+        self._ring: List[torch.Tensor] = []
+
+    @torch.no_grad()
+    def _allocate_ring(self):
+        """On the first step: allocate the slots, view each gradient into its slot, pin copies."""
+        plan = self._ring_plan
+        if self._ring or not plan.slots:
+            return
+        self._ring = [
+            torch.empty(plan.slot_bytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
+            for _ in range(plan.slots)
+        ]
+        for bucket in self._buckets:
+            for host, _, offset in bucket.grads:
+                raw = self._ring[bucket.slot][offset : offset + _nbytes(host)]
+                self.cpu_copy_map_grad[host] = raw.view(host.dtype).view(host.shape)
+        for host in plan.masters_to_pin:
+            # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
+            host.data = host.pin_memory()
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_numel: int = 0):
@@ -345,85 +522,95 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._ensure_built()
         self._sync_hdo_param_groups_to_sub_optimizers()
         self._sync_hdo_state_to_sub_optimizers()
-        self._stage_grads()
+        self._allocate_ring()
+        for param, clone in self._clones_in_place:
+            grad = _grad_of(param)
+            clone.grad = None if grad is None else grad.to(torch.float32)
+        # torch and TE optimizers read ``grad``; the precision-aware distributed optimizer
+        # leaves fp32 shards their gradient in ``decoupled_grad`` only, so lend it for the step.
+        lent = []
+        for param in self._stepped_as_is:
+            decoupled = getattr(param, "decoupled_grad", None)
+            if decoupled is not None and param.grad is None:
+                param.grad = decoupled.to(param.dtype)
+                lent.append(param)
+        for stream in (self._d2h_stream, self._h2d_stream):
+            if stream is not None:  # the gradients and parameters are the current stream's
+                stream.wait_stream(torch.cuda.current_stream())
         steps_before = [sub_group.get("step") for sub_group, _ in self._sub_groups]
 
+        # D2H -> host step -> H2D, one bucket after the other. A bucket's slot is free again
+        # once its host step has returned (the upload reads the host copy, not the slot), so
+        # that is when the download of the bucket that reuses the slot is queued.
+        downloads = {index: self._download(index) for index in self._ring_plan.first_downloads}
         if self.gpu_optimizer is not None:
             self.gpu_optimizer.step()
-        for optimizer in self.cpu_optimizers:
-            event = self._d2h_events.pop(optimizer, None)
+        for index, bucket in enumerate(self._buckets):
+            event = downloads.pop(index, None)
             if event is not None:
                 event.synchronize()
-            optimizer.step()
-            self._copy_host_params_back(optimizer)
+            bucket.optimizer.step()
+            stepped = []
+            for host, param, _ in bucket.grads:
+                if host.grad is not None:
+                    stepped.append((host, param))
+                    host.grad = None  # the slot is about to hold another bucket's gradients
+            if bucket.follower is not None:
+                downloads[bucket.follower] = self._download(bucket.follower)
+            self._upload(stepped, staged_in_slot=bucket.follower is None)
         for param, clone in self._clones_in_place:
             param.data.copy_(clone)
             clone.grad = None  # the widened gradient is only needed for this step
+        for param in lent:
+            param.grad = None
         if self._h2d_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._h2d_stream)
+            # Uploads read the host copies until they finish; waiting here means nothing on
+            # the host (a checkpoint load, the next step) can write a copy still being read.
+            self._h2d_stream.synchronize()
 
         self._mirror_group_steps(steps_before)
         self._sync_sub_optimizers_state_to_hdo()
         return loss
 
-    def _stage_grads(self):
-        """Hand every inner tensor the gradient of its parameter (D2H for host copies)."""
-        for param, clone in self._clones_in_place:
-            grad = _grad_of(param)
-            clone.grad = None if grad is None else grad.to(torch.float32)
+    def _download(self, index: int):
+        """Queue the D2H of bucket ``index``'s gradients into its slot; return its event."""
+        with _on_stream(self._d2h_stream):
+            for host, param, _ in self._buckets[index].grads:
+                grad = _grad_of(param)
+                if grad is None:
+                    host.grad = None
+                    continue
+                staged = self.cpu_copy_map_grad[host]
+                if grad.is_cuda and grad.dtype != staged.dtype:
+                    grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
+                staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
+                host.grad = staged
+            return None if self._d2h_stream is None else self._d2h_stream.record_event()
 
-        stream = self._d2h_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with _on_stream(stream):
-            for optimizer in self.cpu_optimizers:
-                for group in optimizer.param_groups:
-                    for host in group["params"]:
-                        self._stage_host_grad(host)
-                if stream is not None:
-                    self._d2h_events[optimizer] = stream.record_event()
+    def _upload(self, stepped: List[Tuple[torch.Tensor, torch.Tensor]], staged_in_slot: bool):
+        """Queue the H2D of the host copies just stepped into their parameters.
 
-    def _stage_host_grad(self, host: torch.Tensor):
-        param = self.cpu_copys_map_gpu_param.get(host)
-        if param is None:  # a host-resident parameter: its grad is already in place
-            return
-        grad = _grad_of(param)
-        if grad is None:
-            host.grad = None
-            return
-        buffer = self.cpu_copy_map_grad.get(host)
-        if buffer is None:
-            buffer = torch.empty(
-                host.shape,
-                dtype=host.dtype,
-                device="cpu",
-                pin_memory=self.pin_cpu_grads and grad.is_cuda,
-            )
-            self.cpu_copy_map_grad[host] = buffer
-        if grad.is_cuda and grad.dtype != buffer.dtype:
-            grad = grad.to(buffer.dtype)  # widen on the device, where it is cheap
-        buffer.copy_(grad.view_as(buffer), non_blocking=grad.is_cuda)
-        host.grad = buffer
-
-    def _copy_host_params_back(self, optimizer: torch.optim.Optimizer):
-        """Upload the parameters ``optimizer`` has just stepped (H2D for host copies)."""
-        stream = self._h2d_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with _on_stream(stream):
-            for group in optimizer.param_groups:
-                for host in group["params"]:
-                    param = self.cpu_copys_map_gpu_param.get(host)
-                    if param is None or host.grad is None:  # not stepped: nothing changed
-                        continue
-                    source = host
-                    if param.is_cuda and host.dtype != param.dtype:
-                        # Narrow on the host into the gradient buffer this step has just
-                        # consumed: the upload then reads pinned memory at half the bytes,
-                        # and needs no buffer of its own.
-                        source = host.grad.view(-1).view(param.dtype)[: host.numel()]
-                        source.copy_(host.view(-1))
-                    param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
+        Args:
+            stepped: ``(host copy, parameter)`` pairs of one bucket.
+            staged_in_slot: the bucket's slot is free for the rest of the step (no download
+                follows it), so pageable copies go up through it.
+        """
+        with _on_stream(self._h2d_stream):
+            for host, param in stepped:
+                source = host
+                if staged_in_slot and self._ring_plan.pin_slots and not host.is_pinned():
+                    # An upload from pageable memory blocks the host until it is done, holding
+                    # up the next host step; a host copy into the pinned slot (where this
+                    # gradient was) is faster and lets the upload run behind it.
+                    source = self.cpu_copy_map_grad[host]
+                    source.copy_(host)
+                if param.is_cuda and host.dtype != param.dtype:
+                    # Narrow on the device. The staging tensor is allocated on this stream, so
+                    # the caching allocator hands its memory out again only in this stream's
+                    # order, after the narrowing copy has read it.
+                    narrowed = torch.empty_like(host, device=param.device)
+                    source = narrowed.copy_(source, non_blocking=True)
+                param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
 
     def _mirror_group_steps(self, steps_before: List[Any]):
         """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
