@@ -1,0 +1,127 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""GPU: checkpoints move between the fork's DistributedOptimizer and upstream's, bit-exactly.
+
+Each case runs ``tools/distopt_resume.py``: one implementation trains a small DDP model,
+checkpoints it and goes on for a few steps; the other (or the same) builds a fresh model and
+optimizer, loads the checkpoint, takes the same steps, and every parameter and every piece of
+optimizer state must equal the uninterrupted run (``torch.equal``). The matrix covers world
+size 1 (and 2 when two GPUs are visible), fp32 and bf16, no offload and HybridDeviceOptimizer
+offload of half or all of the state, the legacy file format and three dist-checkpoint formats,
+and the directions fork->fork, upstream->fork and fork->upstream.
+
+The runs are batched: one torchrun job per saving and per loading implementation and world
+size, started once for all selected tests, so selecting with ``-k`` also shortens the run::
+
+    pytest tests/unit_tests/test_distrib_optimizer_resume.py -k "w1 and bf16 and fork2fork"
+
+``DISTOPT_RESUME_QUICK=1`` keeps a small subset (world 1, bf16, three formats).
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "distopt_resume.py"
+QUICK = os.environ.get("DISTOPT_RESUME_QUICK", "") not in ("", "0")
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+
+PAIRS = [("fork", "fork"), ("upstream", "fork"), ("fork", "upstream")]
+FORMATS = ["legacy", "dp_zero_gather_scatter", "dp_reshardable", "fully_reshardable"]
+# fully_sharded_model_space is left out: 0.19.2's dist_checkpointing rejects the flattened
+# ShardedTensors it is made of, whichever implementation writes them.
+DTYPES = ["fp32", "bf16"]
+OFFLOADS = [0.0, 0.5, 1.0]
+WORLDS = [1, 2] if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else [1]
+if QUICK:
+    FORMATS = ["legacy", "dp_reshardable", "fully_reshardable"]
+    DTYPES, OFFLOADS, WORLDS = ["bf16"], [0.0, 0.5], [1]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("distopt_resume_tool", TOOL_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOL = _load_tool()
+
+
+def _known_upstream_failure(fmt, offload, pair):
+    """Why megatron-core 0.19.2 itself cannot pass this case, or None.
+
+    These are the upstream bugs the fork fixes; the cases still run and an unexpected pass is
+    reported (xfail, not strict).
+    """
+    if fmt == "fully_reshardable" and "upstream" in pair:
+        return "0.19.2 slices fully_reshardable state at wrong offsets with several buckets"
+    if fmt == "legacy" and pair[1] == "upstream" and offload == 0.0:
+        return "0.19.2's legacy load_parameter_state with torch AdamW raises KeyError: 'step'"
+    return None
+
+
+def _params():
+    cases = []
+    for world in WORLDS:
+        for dtype in DTYPES:
+            for offload in OFFLOADS:
+                for fmt in FORMATS:
+                    for pair in PAIRS:
+                        case = TOOL.Case(dtype, offload, fmt)
+                        reason = _known_upstream_failure(fmt, offload, pair)
+                        marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
+                        cases.append(
+                            pytest.param(world, case, pair, id=case.key(world, *pair), marks=marks)
+                        )
+    return cases
+
+
+@pytest.fixture(scope="session")
+def resume_runs(request, tmp_path_factory):
+    """Results per world size, produced once for every selected test of that world size."""
+    done = {}
+
+    def results_for(world):
+        if world not in done:
+            selected = [
+                item.callspec.params
+                for item in request.session.items
+                if getattr(item, "originalname", None) == "test_resume_is_bit_exact"
+                and item.callspec.params["world"] == world
+            ]
+            cases = sorted({p["case"] for p in selected}, key=lambda c: c.name)
+            pairs = sorted({p["pair"] for p in selected})
+            done[world] = TOOL.drive(
+                cases,
+                pairs,
+                nproc=world,
+                steps_before=STEPS_BEFORE,
+                steps_after=STEPS_AFTER,
+                workdir=str(tmp_path_factory.mktemp(f"distopt_resume_w{world}")),
+            )
+        return done[world]
+
+    return results_for
+
+
+@pytest.mark.parametrize("world,case,pair", _params())
+def test_resume_is_bit_exact(resume_runs, world, case, pair):
+    """The resumed run equals the uninterrupted one in every parameter and state tensor."""
+    # pylint: disable=redefined-outer-name
+    result = resume_runs(world)[case.key(world, *pair)]
+    assert not result.get("error"), result["error"]
+    assert (
+        result["params_exact"] and result["state_exact"]
+    ), f"max |diff| {result['max_abs_diff']}: {result['mismatches']}"
+    assert result["exact"]
+    # Hyper-parameters and step counters of the common state dict survive the round trip.
+    assert result["common_equal"], result["common_differences"]
+    if pair[1] == "fork":
+        # Loading must not leave extra pinned host memory behind (no second copy of the state).
+        for figures in result["per_rank"]:
+            assert figures["pinned_after_load_bytes"] <= figures["pinned_cold_bytes"], figures

@@ -1,0 +1,797 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+# pylint: disable=bad-builtin,import-outside-toplevel
+"""Resume check for the DistributedOptimizer: save with one implementation, load with another.
+
+A small Megatron model is wrapped in megatron-core's DistributedDataParallel (distributed
+optimizer, several buckets) and given the optimizer ``get_megatron_optimizer`` builds for it:
+torch AdamW without offload, or the HybridDeviceOptimizer with precision-aware state when a
+share of the state is offloaded. Each case trains ``--steps-before`` steps on fixed per-rank
+data, saves a checkpoint, and goes on for ``--steps-after`` steps; the resulting parameters and
+optimizer state are the reference. The load side builds a fresh model and optimizer (other
+initial weights), loads the checkpoint, takes the same steps and compares everything with
+``torch.equal``. It also records pinned host memory at cold start and after the load, the peak
+GPU memory the load added, and the load time.
+
+Save and load are separate ``torchrun`` invocations sharing a checkpoint folder, so that each
+can run either implementation (``upstream`` runs with ``MEGATRON_OPTIMIZER_FORK=0``)::
+
+    torchrun --nproc-per-node 2 tools/distopt_resume.py --save-with fork --ckpt-dir D \\
+        --dtype bf16 --offload-fraction 0.5 --format dp_reshardable fully_reshardable
+    MEGATRON_OPTIMIZER_FORK=0 torchrun --nproc-per-node 2 tools/distopt_resume.py \\
+        --load-with upstream --ckpt-dir D --out result.json
+
+Without torchrun, naming both sides runs the two invocations itself::
+
+    python tools/distopt_resume.py --save-with upstream --load-with fork --nproc-per-node 1 \\
+        --dtype fp32 bf16 --out result.json
+
+Formats: ``legacy`` (``save_parameter_state``/``load_parameter_state`` plus the optimizer's
+``state_dict``) and the ``distrib_optim_sharding_type`` values of megatron-core 0.19.2's
+``sharded_state_dict``. ``fully_sharded_model_space`` is accepted but 0.19.2's
+dist_checkpointing refuses flattened ShardedTensors, so it fails with either implementation.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+MODULE = "megatron.core.optimizer.distrib_optimizer"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+IMPLEMENTATIONS = ("fork", "upstream")
+DTYPES = ("fp32", "bf16")
+OFFLOAD_FRACTIONS = (0.0, 0.5, 1.0)
+FORMATS = (
+    "legacy",
+    "dp_zero_gather_scatter",
+    "dp_reshardable",
+    "fully_reshardable",
+    "fully_sharded_model_space",
+)
+# Odd widths give padded params and buckets; BUCKET_SIZE (elements) gives several buckets.
+HIDDEN, FFN, BATCH, BUCKET_SIZE = 40, 72, 8, 4000
+TRAIN_STREAM, FOLLOW_UP_STREAM = 1, 2
+SAVE_SEED, LOAD_SEED = 1, 7
+MANIFEST = "manifest.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model/optimizer/checkpoint configuration."""
+
+    dtype: str
+    offload: float
+    fmt: str
+
+    @property
+    def name(self):
+        """Folder and id fragment, e.g. ``bf16-off0.5-dp_reshardable``."""
+        return f"{self.dtype}-off{self.offload:g}-{self.fmt}"
+
+    def key(self, world, save_with, load_with):
+        """Result id, e.g. ``w1-bf16-off0.5-dp_reshardable-fork2upstream``."""
+        return f"w{world}-{self.name}-{save_with}2{load_with}"
+
+    @classmethod
+    def parse(cls, name):
+        """The case a :attr:`name` stands for."""
+        dtype, offload, fmt = name.split("-", 2)
+        if dtype not in DTYPES or not offload.startswith("off") or fmt not in FORMATS:
+            raise ValueError(f"not a case name: {name!r}")
+        return cls(dtype, float(offload[3:]), fmt)
+
+
+def product(dtypes, offloads, formats):
+    """Every combination of the given values, as cases."""
+    return [Case(d, float(o), f) for d, o, f in itertools.product(dtypes, offloads, formats)]
+
+
+# --------------------------------------------------------------------------- inside torchrun
+
+
+def _select_implementation(implementation):
+    """Route ``megatron.core.optimizer`` to the requested code and prove it did.
+
+    Must run before anything imports ``megatron.core.optimizer``.
+    """
+    import megatron_optimizer_fork as overlay
+
+    if implementation == "upstream":
+        os.environ[overlay.ENV_VAR] = "0"
+    elif not overlay.is_enabled():
+        raise SystemExit(f"--*-with fork, but {overlay.ENV_VAR} switches the overlay off")
+    else:
+        overlay.install()
+    module = importlib.import_module(MODULE)
+    path = Path(module.__file__).resolve()
+    fork_dir = Path(overlay.fork_package_dir("megatron.core.optimizer")).resolve()
+    if (path.parent == fork_dir) != (implementation == "fork"):
+        raise SystemExit(f"asked for the {implementation} implementation, got {path}")
+    return str(path)
+
+
+class Rank:
+    """This process's place in the job, and the process groups Megatron needs."""
+
+    def __init__(self, timeout_s):
+        self.local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(self.local)
+        torch.distributed.init_process_group(
+            "nccl",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=torch.device("cuda", self.local),
+        )
+        self.rank = torch.distributed.get_rank()
+        self.world = torch.distributed.get_world_size()
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel()
+
+    def barrier(self):
+        """Wait for every rank."""
+        torch.distributed.barrier(device_ids=[self.local])
+
+    @staticmethod
+    def close():
+        """Tear the groups down so the launcher sees a clean exit."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _probe_class():
+    from megatron.core.transformer.module import MegatronModule
+
+    class ResumeProbe(MegatronModule):
+        """Three linear layers and a norm; the middle one without bias."""
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.inp = torch.nn.Linear(HIDDEN, FFN)
+            self.mid = torch.nn.Linear(FFN, FFN, bias=False)
+            self.out = torch.nn.Linear(FFN, HIDDEN)
+            self.norm = torch.nn.LayerNorm(HIDDEN)
+
+        def forward(self, x):  # pylint: disable=missing-function-docstring
+            hidden = torch.tanh(self.mid(torch.nn.functional.gelu(self.inp(x))))
+            return self.norm(self.out(hidden) + x)
+
+    return ResumeProbe
+
+
+def _torch_dtype(case):
+    return torch.bfloat16 if case.dtype == "bf16" else torch.float32
+
+
+def build(case, seed):
+    """DDP-wrapped probe model and the optimizer Megatron builds for ``case``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    bf16, dtype = case.dtype == "bf16", _torch_dtype(case)
+    offloaded = case.offload > 0
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=bf16, params_dtype=dtype
+    )
+    module = _probe_class()(config).cuda().to(dtype)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=bf16, bucket_size=BUCKET_SIZE
+    )
+    model = DistributedDataParallel(config, ddp_config, module)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            weight_decay=0.01,
+            bf16=bf16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+            # Megatron-LM only offloads together with the precision-aware optimizer.
+            optimizer_cpu_offload=offloaded,
+            optimizer_offload_fraction=case.offload,
+            use_precision_aware_optimizer=offloaded,
+            clip_grad=1.0,
+        ),
+        [model],
+    )
+    return model, optimizer
+
+
+def distributed_optimizers(optimizer):
+    """The DistributedOptimizers behind Megatron's (possibly chained) optimizer."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def train(model, optimizer, case, stream, steps, rank):
+    """``steps`` optimizer steps on data fixed by (stream, step, rank)."""
+    dtype = _torch_dtype(case)
+    for step in range(steps):
+        generator = torch.Generator(device="cuda")
+        generator.manual_seed(1_000_003 * stream + 1_009 * step + rank)
+        inputs = torch.randn(BATCH, HIDDEN, generator=generator, device="cuda", dtype=dtype)
+        target = torch.randn(BATCH, HIDDEN, generator=generator, device="cuda", dtype=dtype)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = (model(inputs).float() - target.float()).pow(2).mean()
+        loss.backward()
+        model.finish_grad_sync()
+        optimizer.step()
+
+
+def _plain(value):
+    """A comparable copy of a state-dict tree: tensors become Python numbers or lists."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().tolist()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def snapshot(model, optimizer):
+    """Parameters, this rank's optimizer state by parameter name, and the common state dict."""
+    names = {param: name for name, param in model.named_parameters()}
+    params = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
+    state = {}
+    for index, dist in enumerate(distributed_optimizers(optimizer)):
+        # Only parameters with a shard on this rank appear in this map.
+        for param in dist.model_param_group_index_map:
+            tensors = dist._get_main_param_and_optimizer_states(  # pylint: disable=protected-access
+                param
+            )
+            state[f"{index}/{names[param]}"] = {
+                key: value.detach().to("cpu", copy=True)
+                for key, value in tensors.items()
+                if isinstance(value, torch.Tensor)
+            }
+    return {"params": params, "state": state, "common": _plain(optimizer.state_dict())}
+
+
+def _tensor_difference(expected, actual):
+    """(equal, max abs diff) of two tensors; shapes or dtypes that differ count as inf."""
+    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+        return False, float("inf")
+    if torch.equal(expected, actual):
+        return True, 0.0
+    if expected.numel() == 0:
+        return False, float("inf")
+    return False, (expected.double() - actual.double()).abs().max().item()
+
+
+def _common_difference(expected, actual, path="common"):
+    """Paths where two plain trees disagree; keys only one side has are reported apart."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        found, only = [], sorted(set(expected) ^ set(actual), key=str)
+        for key in set(expected) & set(actual):
+            found += _common_difference(expected[key], actual[key], f"{path}.{key}")
+        return found + [f"{path}.{key} (one side only)" for key in only]
+    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
+        found = []
+        for index, (left, right) in enumerate(zip(expected, actual)):
+            found += _common_difference(left, right, f"{path}[{index}]")
+        return found
+    return [] if expected == actual else [f"{path}: {expected!r} != {actual!r}"]
+
+
+def compare(reference, resumed):
+    """Bit-exactness of the resumed run against the reference, with the first mismatches."""
+    mismatches, worst = [], 0.0
+    exact = {"params": True, "state": True}
+    for kind in ("params", "state"):
+        want, have = reference[kind], resumed[kind]
+        for name in sorted(set(want) | set(have)):
+            if name not in want or name not in have:
+                exact[kind] = False
+                mismatches.append(
+                    f"{kind} {name}: only in {'reference' if name in want else 'resumed'}"
+                )
+                continue
+            pairs = [(name, want[name], have[name])]
+            if kind == "state":
+                keys = set(want[name]) | set(have[name])
+                if set(want[name]) != set(have[name]):
+                    exact[kind] = False
+                    mismatches.append(
+                        f"state {name}: keys {sorted(want[name])} != {sorted(have[name])}"
+                    )
+                pairs = [
+                    (f"{name}[{key}]", want[name][key], have[name][key])
+                    for key in sorted(keys)
+                    if key in want[name] and key in have[name]
+                ]
+            for label, expected, actual in pairs:
+                equal, diff = _tensor_difference(expected, actual)
+                worst = max(worst, diff)
+                if not equal:
+                    exact[kind] = False
+                    mismatches.append(f"{kind} {label}: max |diff| {diff:.3g}")
+    common = _common_difference(reference["common"], resumed["common"])
+    value_drift = [entry for entry in common if not entry.endswith("(one side only)")]
+    return {
+        "params_exact": exact["params"],
+        "state_exact": exact["state"],
+        "common_equal": not value_drift,
+        "common_differences": common[:20],
+        "max_abs_diff": worst,
+        "mismatches": mismatches[:20],
+    }
+
+
+def save_checkpoint(case, model, optimizer, folder, rank):
+    """Write ``case.fmt`` into ``folder`` the way Megatron-LM's checkpointing does."""
+    if case.fmt == "legacy":
+        optimizer.save_parameter_state(str(folder / "param_state.pt"))
+        common = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if rank.rank == 0:
+            torch.save(common, folder / "common.pt")
+        return
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": case.fmt}
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, metadata=metadata),
+    }
+    target = folder / "dist"
+    if rank.rank == 0:
+        target.mkdir()
+    rank.barrier()
+    dist_checkpointing.save(state, str(target))
+
+
+def _needs_priming(case, implementation, optimizer, policy):
+    if policy != "auto":
+        return policy == "always"
+    # Upstream 0.19.2 without TE/Apex reads a 'step' from every state entry while describing
+    # itself for a dist-checkpoint load, so it cannot describe an optimizer that never stepped.
+    # The fork is never primed: loading into a fresh optimizer is part of what is tested.
+    if implementation != "upstream" or case.fmt == "legacy":
+        return False
+    return any(not dist.optimizer.state for dist in distributed_optimizers(optimizer))
+
+
+def prime(optimizer):
+    """Materialise optimizer state with upstream's own helpers (values are overwritten)."""
+    for dist in distributed_optimizers(optimizer):
+        if dist.optimizer.state:
+            continue
+        if hasattr(dist.optimizer, "dummy_step"):
+            dist.optimizer.dummy_step()
+        else:
+            dist._init_optimizer_states_with_dummy_values()  # pylint: disable=protected-access
+
+
+def load_checkpoint(case, model, optimizer, folder):
+    """Read ``case.fmt`` from ``folder`` into a fresh model and optimizer."""
+    if case.fmt == "legacy":
+        common = torch.load(folder / "common.pt", map_location="cpu", weights_only=False)
+        model.load_state_dict(common["model"])
+        optimizer.load_state_dict(common["optimizer"])
+        optimizer.load_parameter_state(str(folder / "param_state.pt"))
+        return
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.sharded_state_dict()
+    metadata = {"distrib_optim_sharding_type": case.fmt}
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata),
+    }
+    loaded = dist_checkpointing.load(state, str(folder / "dist"))
+    # The sharded keys carry the DDP wrapper's "module." prefix; its load_state_dict does not.
+    model.load_state_dict({k.removeprefix("module."): v for k, v in loaded["model"].items()})
+    optimizer.load_state_dict(loaded["optimizer"])
+
+
+def _pinned_bytes():
+    return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+
+
+def _release():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _error_text(error):
+    return f"{type(error).__name__}: {error}".replace("\n", " ")[:2000]
+
+
+def _write_json(path, payload):
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _save_one(case, folder, args, rank):
+    """Train, checkpoint, go on, and keep this rank's reference snapshot."""
+    model, optimizer = build(case, SAVE_SEED)
+    train(model, optimizer, case, TRAIN_STREAM, args.steps_before, rank.rank)
+    save_checkpoint(case, model, optimizer, folder, rank)
+    rank.barrier()
+    train(model, optimizer, case, FOLLOW_UP_STREAM, args.steps_after, rank.rank)
+    torch.save(snapshot(model, optimizer), folder / f"reference_rank{rank.rank}.pt")
+
+
+def run_save(args, rank, module_file):
+    """Train, save, go on, store the reference: one folder per case under ``--ckpt-dir``."""
+    root = Path(args.ckpt_dir[0])
+    cases = selected_cases(args)
+    if rank.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        manifest = {
+            "save_with": args.save_with,
+            "world": rank.world,
+            "module_file": module_file,
+            "steps_before": args.steps_before,
+            "steps_after": args.steps_after,
+            "cases": [dataclasses.asdict(case) for case in cases],
+        }
+        _write_json(root / MANIFEST, manifest)
+    for case in cases:
+        folder = root / case.name
+        if rank.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+        rank.barrier()
+        try:
+            _save_one(case, folder, args, rank)
+            status = {"ok": True, "error": None}
+        except Exception as error:  # pylint: disable=broad-except
+            status = {"ok": False, "error": _error_text(error)}
+            print(f"[rank {rank.rank}] save {case.name} failed: {status['error']}", flush=True)
+        _write_json(folder / f"status_rank{rank.rank}.json", status)
+        _release()
+    rank.barrier()
+
+
+def _saved_cases(root, world):
+    manifest = json.loads((Path(root) / MANIFEST).read_text(encoding="utf-8"))
+    if manifest["world"] != world:
+        raise SystemExit(f"{root} was saved by {manifest['world']} ranks, this job has {world}")
+    return manifest, [Case(**fields) for fields in manifest["cases"]]
+
+
+def _save_error(folder, world):
+    for index in range(world):
+        path = folder / f"status_rank{index}.json"
+        if not path.exists():
+            return f"no save status from rank {index}"
+        status = json.loads(path.read_text(encoding="utf-8"))
+        if not status["ok"]:
+            return f"save failed on rank {index}: {status['error']}"
+    return None
+
+
+def load_one(case, folder, args, rank, manifest):
+    """Load one saved case, resume, compare; this rank's figures."""
+    result = {"error": _save_error(folder, rank.world), "primed": False}
+    if result["error"]:
+        return result
+    model, optimizer = build(case, LOAD_SEED)
+    result["instance_attributes"] = sorted(vars(distributed_optimizers(optimizer)[0]))
+    _release()
+    result["pinned_cold_bytes"] = _pinned_bytes()
+    if _needs_priming(case, args.load_with, optimizer, args.prime):
+        prime(optimizer)
+        result["primed"] = True
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    load_checkpoint(case, model, optimizer, folder)
+    torch.cuda.synchronize()
+    result["load_seconds"] = time.perf_counter() - start
+    result["load_peak_gpu_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+    gc.collect()
+    result["pinned_after_load_bytes"] = _pinned_bytes()
+    train(model, optimizer, case, FOLLOW_UP_STREAM, manifest["steps_after"], rank.rank)
+    reference = torch.load(folder / f"reference_rank{rank.rank}.pt", weights_only=False)
+    result.update(compare(reference, snapshot(model, optimizer)))
+    return result
+
+
+def run_load(args, rank, module_file):
+    """Load every case of every ``--ckpt-dir``; each rank writes its part next to ``--out``."""
+    results = {}
+    for root in args.ckpt_dir:
+        manifest, cases = _saved_cases(root, rank.world)
+        for case in cases:
+            key = case.key(rank.world, manifest["save_with"], args.load_with)
+            try:
+                result = load_one(case, Path(root) / case.name, args, rank, manifest)
+            except Exception as error:  # pylint: disable=broad-except
+                result = {"error": _error_text(error)}
+                print(f"[rank {rank.rank}] load {key} failed: {result['error']}", flush=True)
+            result.update(
+                case=key,
+                world=rank.world,
+                dtype=case.dtype,
+                offload=case.offload,
+                format=case.fmt,
+                save_with=manifest["save_with"],
+                load_with=args.load_with,
+                module_files={"save": manifest["module_file"], "load": module_file},
+            )
+            results[key] = result
+            _release()
+    _write_json(f"{args.out}.rank{rank.rank}", results)
+    rank.barrier()
+    if rank.rank == 0:
+        merged = merge_rank_files(args.out, rank.world)
+        _write_json(args.out, merged)
+
+
+# --------------------------------------------------------------------------- merging, driving
+
+
+def _merge_case(parts):
+    """One case's result from each rank's part: exact only if every rank was exact."""
+    merged = dict(parts[0])
+    errors = [part.get("error") for part in parts if part.get("error")]
+    merged["error"] = errors[0] if errors else None
+    for flag in ("params_exact", "state_exact", "common_equal"):
+        merged[flag] = all(part.get(flag, False) for part in parts)
+    merged["exact"] = not errors and merged["params_exact"] and merged["state_exact"]
+    for figure in (
+        "max_abs_diff",
+        "pinned_cold_bytes",
+        "pinned_after_load_bytes",
+        "load_peak_gpu_extra_bytes",
+        "load_seconds",
+    ):
+        values = [part[figure] for part in parts if figure in part]
+        merged[figure] = max(values) if values else None
+    merged["per_rank"] = [
+        {k: part.get(k) for k in ("pinned_cold_bytes", "pinned_after_load_bytes", "error")}
+        for part in parts
+    ]
+    merged["mismatches"] = [m for part in parts for m in part.get("mismatches", [])][:20]
+    return merged
+
+
+def merge_rank_files(out, world):
+    """Merge the ``<out>.rank<r>`` files every rank of a load job wrote."""
+    parts = []
+    for index in range(world):
+        path = Path(f"{out}.rank{index}")
+        parts.append(json.loads(path.read_text(encoding="utf-8")) if path.exists() else {})
+    keys = sorted(set().union(*parts))
+    merged = {}
+    for key in keys:
+        present = [part[key] for part in parts if key in part]
+        if len(present) < world:
+            present[0] = dict(present[0], error=f"only {len(present)} of {world} ranks reported")
+        merged[key] = _merge_case(present)
+    return merged
+
+
+def _launch(role, implementation, nproc, extra, log_path, timeout):
+    """One torchrun job of this file; returns its exit code (its output goes to ``log_path``)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    if implementation == "upstream":
+        env["MEGATRON_OPTIMIZER_FORK"] = "0"
+    else:
+        env.pop("MEGATRON_OPTIMIZER_FORK", None)
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(Path(__file__).resolve()),
+        f"--{role}-with",
+        implementation,
+        *extra,
+    ]
+    with open(log_path, "w", encoding="utf-8") as log:
+        try:
+            done = subprocess.run(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired:
+            return "timeout"
+    return done.returncode
+
+
+def _log_tail(path, lines=3):
+    """The last error lines of a job's log (its last lines if none), on one line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    errors = [line for line in text if "Error" in line or "Exception" in line]
+    picked = [line.strip() for line in (errors or text)[-lines:]]
+    return " / ".join(picked) + f" (log: {path})"
+
+
+def drive(cases, pairs, nproc, steps_before=3, steps_after=2, workdir=None, timeout=1200):
+    """Run every (save_with, load_with) pair over ``cases`` with the fewest torchrun jobs.
+
+    One save job per saving implementation and one load job per loading implementation (it
+    reads every checkpoint folder it needs) are started, one after the other.
+
+    Returns:
+        dict: ``Case.key(nproc, save_with, load_with)`` -> merged result; a job that failed
+        leaves an ``error`` with the tail of its log in each of its cases.
+    """
+    owned = workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="distopt_resume_") if owned else workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    names = [case.name for case in cases]
+    results, save_failures = {}, {}
+    try:
+        for save in sorted({save for save, _ in pairs}):
+            extra = ["--ckpt-dir", str(workdir / f"saved_by_{save}"), "--cases", *names]
+            extra += ["--steps-before", str(steps_before), "--steps-after", str(steps_after)]
+            log = workdir / f"save_{save}.log"
+            code = _launch("save", save, nproc, extra, log, timeout)
+            if code != 0:
+                save_failures[save] = f"save job exited {code}: {_log_tail(log)}"
+        for load in sorted({load for _, load in pairs}):
+            sources = [saver for saver, loader in pairs if loader == load]
+            readable = [
+                saver for saver in sources if (workdir / f"saved_by_{saver}" / MANIFEST).exists()
+            ]
+            merged, code, log = {}, None, workdir / f"load_{load}.log"
+            if readable:
+                out = workdir / f"loaded_by_{load}.json"
+                extra = ["--ckpt-dir", *(str(workdir / f"saved_by_{saver}") for saver in readable)]
+                extra += ["--out", str(out)]
+                code = _launch("load", load, nproc, extra, log, timeout)
+                merged = (
+                    json.loads(out.read_text(encoding="utf-8"))
+                    if out.exists()
+                    else merge_rank_files(out, nproc)
+                )
+            for case, save in itertools.product(cases, sources):
+                key = case.key(nproc, save, load)
+                result = merged.get(key) or {"case": key, "error": "no result"}
+                problems = [save_failures.get(save), result.get("error")]
+                if code not in (None, 0):
+                    problems.append(f"load job exited {code}: {_log_tail(log)}")
+                result["error"] = " | ".join(p for p in problems if p) or None
+                result["exact"] = bool(result.get("exact")) and not result["error"]
+                results[key] = result
+    finally:
+        if owned:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _mib(value):
+    return "-" if value is None else f"{value / 2**20:.2f}"
+
+
+def report(results):
+    """One line per case: exactness and the memory/time figures."""
+    header = (
+        f"{'case':58} {'exact':>5} {'max|diff|':>9} {'pin cold':>8} {'pin load':>8} "
+        f"{'peak+GPU':>8} {'load s':>7}  (MiB)"
+    )
+    print(header)
+    for key in sorted(results):
+        item = results[key]
+        diff = item.get("max_abs_diff")
+        seconds = item.get("load_seconds")
+        print(
+            f"{key:58} {'yes' if item.get('exact') else 'NO':>5} "
+            f"{'-' if diff is None else f'{diff:.3g}':>9} "
+            f"{_mib(item.get('pinned_cold_bytes')):>8} "
+            f"{_mib(item.get('pinned_after_load_bytes')):>8} "
+            f"{_mib(item.get('load_peak_gpu_extra_bytes')):>8} "
+            f"{'-' if seconds is None else f'{seconds:.3f}':>7}"
+            + ("  primed" if item.get("primed") else "")
+        )
+        if item.get("error"):
+            print(f"    error: {item['error'][:400]}")
+        for mismatch in item.get("mismatches", [])[:3]:
+            print(f"    {mismatch}")
+
+
+def selected_cases(args):
+    """``--cases`` if given, else every combination of ``--dtype``, ``--offload-fraction``
+    and ``--format``."""
+    if args.cases:
+        return [Case.parse(name) for name in args.cases]
+    return product(args.dtype, args.offload_fraction, args.format)
+
+
+def parse_args(argv=None):
+    """Command-line options; see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--save-with", choices=IMPLEMENTATIONS)
+    parser.add_argument("--load-with", choices=IMPLEMENTATIONS)
+    parser.add_argument("--ckpt-dir", nargs="+", help="checkpoint folder(s); one to save into")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=["bf16"])
+    parser.add_argument("--offload-fraction", nargs="+", type=float, default=[0.5])
+    parser.add_argument("--format", nargs="+", choices=FORMATS, default=["dp_reshardable"])
+    parser.add_argument(
+        "--cases", nargs="+", help="explicit case names (e.g. bf16-off0.5-legacy) instead"
+    )
+    parser.add_argument("--steps-before", type=int, default=3)
+    parser.add_argument("--steps-after", type=int, default=2)
+    parser.add_argument("--out", help="result JSON (load side, or both sides)")
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1, help="ranks when this script starts torchrun"
+    )
+    parser.add_argument(
+        "--prime",
+        choices=("auto", "never", "always"),
+        default="auto",
+        help="materialise optimizer state before a dist-checkpoint load (auto: upstream only)",
+    )
+    parser.add_argument("--collective-timeout", type=int, default=300)
+    args = parser.parse_args(argv)
+    for fraction in args.offload_fraction:
+        if fraction not in OFFLOAD_FRACTIONS:
+            parser.error(f"--offload-fraction {fraction}: choose from {OFFLOAD_FRACTIONS}")
+    if not (args.save_with or args.load_with):
+        parser.error("name --save-with, --load-with, or both")
+    return args
+
+
+def main(argv=None):
+    """Entry point for both the torchrun workers and the two-sided driver."""
+    args = parse_args(argv)
+    under_torchrun = "LOCAL_RANK" in os.environ
+    if not under_torchrun:
+        if not (args.save_with and args.load_with):
+            raise SystemExit("outside torchrun, name both --save-with and --load-with")
+        cases = selected_cases(args)
+        workdir = args.ckpt_dir[0] if args.ckpt_dir else None
+        results = drive(
+            cases,
+            [(args.save_with, args.load_with)],
+            args.nproc_per_node,
+            args.steps_before,
+            args.steps_after,
+            workdir,
+        )
+        report(results)
+        if args.out:
+            _write_json(args.out, results)
+        return 0 if results and all(r.get("exact") for r in results.values()) else 1
+    if bool(args.save_with) == bool(args.load_with) or not args.ckpt_dir:
+        raise SystemExit(
+            "under torchrun, name exactly one of --save-with/--load-with and --ckpt-dir"
+        )
+    if args.load_with and not args.out:
+        raise SystemExit("--load-with needs --out")
+    module_file = _select_implementation(args.save_with or args.load_with)
+    rank = Rank(args.collective_timeout)
+    try:
+        if args.save_with:
+            run_save(args, rank, module_file)
+        else:
+            run_load(args, rank, module_file)
+    finally:
+        Rank.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
