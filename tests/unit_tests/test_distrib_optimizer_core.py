@@ -16,11 +16,7 @@ Where the fork deliberately differs from upstream (step handling, the inner-grou
 16-bit shards, state device), the tests check the fork's behaviour on its own.
 """
 
-import importlib.metadata
-import importlib.util
 import random
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -32,35 +28,20 @@ from megatron.core.distributed import param_and_grad_buffer as pgb
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
 
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import distrib_optimizer_upstream
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests import distrib_optimizer_upstream
+
 fork = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer", reason="the fork's module is not importable"
 )
 if not hasattr(fork, "_find_adam"):
     pytest.skip("the imported distrib_optimizer is not the fork's", allow_module_level=True)
 
-UPSTREAM_RELATIVE = "megatron/core/optimizer/distrib_optimizer.py"
 LR = 0.01
 
-
-def _load_upstream():
-    """Upstream's module, executed inside ``megatron.core.optimizer`` so that its relative
-    imports resolve, or None when the installed megatron-core has no such file."""
-    try:
-        path = Path(importlib.metadata.distribution("megatron-core").locate_file(UPSTREAM_RELATIVE))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    if not path.is_file() or path.resolve() == Path(fork.__file__).resolve():
-        return None
-    name = "megatron.core.optimizer._upstream_distrib_optimizer_for_core_tests"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-UPSTREAM = _load_upstream()
+UPSTREAM = distrib_optimizer_upstream.load()
 needs_upstream = pytest.mark.skipif(UPSTREAM is None, reason="upstream's module is not available")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 IMPLEMENTATIONS = [fork] + ([UPSTREAM] if UPSTREAM is not None else [])
@@ -500,7 +481,8 @@ def test_training_steps_match_upstream(world_size, rank, bucket_size):
             continue
         read = mine._get_main_param_and_optimizer_states(model_param)
         expected = theirs._get_main_param_and_optimizer_states(their_names[name])
-        assert set(read) == {"param", "exp_avg", "exp_avg_sq"}
+        # Like upstream's, the getter hands out torch AdamW's per-parameter step as well.
+        assert set(read) == set(expected) == {"param", "exp_avg", "exp_avg_sq", "step"}
         for key in read:
             assert torch.equal(read[key], expected[key])
 
@@ -1131,3 +1113,179 @@ def test_hybrid_device_optimizer_resume_continues_exactly(world_size, rank, buck
         train_step(resumed, resumed_model, seed)
         for buffer_a, buffer_b in zip(optimizer.buffers, resumed.buffers):
             assert torch.equal(buffer_a.param_data, buffer_b.param_data)
+
+
+# --------------------------------------------------------------------------------------------
+# dp_reshardable checkpoints crossing between the fork and upstream
+# --------------------------------------------------------------------------------------------
+
+DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _checkpoint_entries(sharded):
+    """Path -> what a dist checkpoint keeps of each leaf of a sharded optimizer state dict:
+    ShardedTensors and ShardedObjects with their keys, placement and data, local
+    non-persistent objects only as such (with the type of what they hold)."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+    )
+
+    entries = {}
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, path + (key,))
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                walk(item, path + (index,))
+        elif isinstance(value, ShardedTensor):
+            placement = (value.key, value.global_shape, value.global_offset, value.replica_id)
+            entries[path] = ("tensor", placement, value.dtype, value.data.tolist())
+        elif isinstance(value, ShardedObject):
+            entries[path] = ("object", value.key, value.replica_id, repr(value.data))
+        elif isinstance(value, LocalNonpersistentObject):
+            entries[path] = ("local", type(value.obj).__name__)
+        else:
+            entries[path] = ("plain", repr(value))
+
+    walk(sharded, ())
+    return entries
+
+
+def _dist_checkpoint_load(saved, request):
+    """What ``dist_checkpointing.load`` makes of ``request`` given the checkpoint ``saved``:
+    tensors filled in place from the saved pieces, objects replaced by the saved ones, local
+    non-persistent objects handed back as the loader made them."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedObject,
+        ShardedTensor,
+    )
+
+    pieces = {
+        (v.key, v.global_offset): v.data
+        for v in nested_values(saved)
+        if isinstance(v, ShardedTensor)
+    }
+    objects = {v.key: v.data for v in nested_values(saved) if isinstance(v, ShardedObject)}
+
+    def load(value):
+        if isinstance(value, ShardedTensor):
+            with torch.no_grad():
+                value.data.copy_(pieces[(value.key, value.global_offset)])
+            return value.data
+        if isinstance(value, ShardedObject):
+            return objects[value.key]
+        if isinstance(value, LocalNonpersistentObject):
+            return value.obj
+        return value
+
+    return dict_list_map_inplace(load, request)
+
+
+def _trained(module, steps):
+    """One data-parallel rank of two (several buckets) after ``steps`` training steps."""
+    model, optimizer = build(module, 2, 1, 150)
+    for seed in range(steps):
+        train_step(optimizer, model, seed)
+    return model, optimizer
+
+
+def _resume_from_dp_reshardable(saver, saver_model, module):
+    """``module``'s fresh optimizer (other initial weights) loaded from ``saver``'s
+    dp_reshardable dist checkpoint the way Megatron-LM loads one."""
+    model, optimizer = build(module, 2, 1, 150, seed=1)
+    with torch.no_grad():
+        for param, source in zip(model.parameters(), saver_model.parameters()):
+            param.copy_(source)
+    if module is not fork:
+        # 0.19.2 without TE/Apex reads a step from every state entry while describing itself.
+        optimizer._init_optimizer_states_with_dummy_values()
+    saved = saver.sharded_state_dict({}, metadata=DP_RESHARDABLE)
+    request = optimizer.sharded_state_dict({}, is_loading=True, metadata=DP_RESHARDABLE)
+    with torch.no_grad():  # upstream copies into views of fp32 parameters
+        optimizer.load_state_dict(_dist_checkpoint_load(saved, request))
+    return model, optimizer
+
+
+def _continue_both(pairs, seeds):
+    """Train each (model, optimizer) pair on the same gradients."""
+    for seed in seeds:
+        for model, optimizer in pairs:
+            train_step(optimizer, model, seed)
+
+
+def _assert_same_run(first, second):
+    """Parameters, main values and every state tensor (step included) are equal."""
+    (model_a, optimizer_a), (model_b, optimizer_b) = first, second
+    for param_a, param_b in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(param_a, param_b)
+        if param_a in optimizer_a.model_param_gbuf_map:
+            state_a = optimizer_a._get_main_param_and_optimizer_states(param_a)
+            state_b = optimizer_b._get_main_param_and_optimizer_states(param_b)
+            assert set(state_a) == set(state_b)
+            for key, value in state_a.items():
+                assert torch.equal(value, state_b[key]), key
+
+
+@needs_upstream
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("is_loading", [False, True])
+def test_dp_reshardable_checkpoint_equals_upstreams(is_loading):
+    """Same keys, placements, data and non-persistent entries (torch AdamW's step among them)
+    as upstream's, for saving and for loading."""
+    (_, mine), (_, theirs) = _trained(fork, 3), _trained(UPSTREAM, 3)
+    mine_entries = _checkpoint_entries(
+        mine.sharded_state_dict({}, is_loading, None, DP_RESHARDABLE)
+    )
+    their_entries = _checkpoint_entries(
+        theirs.sharded_state_dict({}, is_loading, None, DP_RESHARDABLE)
+    )
+    assert mine_entries == their_entries
+    assert any(path[-1] == "step" for path in mine_entries)
+
+
+@needs_upstream
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("saver_module", ["fork", "upstream"])
+def test_dp_reshardable_resume_in_the_fork_is_exact(saver_module):
+    """Either side's checkpoint, loaded by the fork: two more steps equal the uninterrupted
+    run, step counters included."""
+    saver_model, saver = _trained(fork if saver_module == "fork" else UPSTREAM, 3)
+    resumed = _resume_from_dp_reshardable(saver, saver_model, fork)
+    assert resumed[1].inner_state.step() == 3
+    _continue_both([(saver_model, saver), resumed], range(3, 5))
+    _assert_same_run((saver_model, saver), resumed)
+
+
+@needs_upstream
+@pytest.mark.usefixtures("cpu_as_cuda")
+def test_upstream_resumes_a_fork_dp_reshardable_checkpoint_as_its_own():
+    """Upstream cannot tell a checkpoint the fork wrote from one it wrote itself."""
+    (mine_model, mine), (their_model, theirs) = _trained(fork, 3), _trained(UPSTREAM, 3)
+    from_fork = _resume_from_dp_reshardable(mine, mine_model, UPSTREAM)
+    from_upstream = _resume_from_dp_reshardable(theirs, their_model, UPSTREAM)
+    _continue_both([from_fork, from_upstream], range(3, 5))
+    _assert_same_run(from_fork, from_upstream)
+
+
+@needs_upstream
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.xfail(
+    reason="0.19.2 copies the step its dp_reshardable load request holds (the loading "
+    "optimizer's own, 1 after priming) over the step load_state_dict restored",
+    strict=True,
+)
+def test_upstream_resumes_a_fork_dp_reshardable_checkpoint_exactly():
+    """Fork writes, upstream loads, two steps: not equal to the uninterrupted run, for a reason
+    that is upstream's own (its own checkpoint fails the same way, see the test above)."""
+    saver_model, saver = _trained(fork, 3)
+    resumed = _resume_from_dp_reshardable(saver, saver_model, UPSTREAM)
+    _continue_both([(saver_model, saver), resumed], range(3, 5))
+    _assert_same_run((saver_model, saver), resumed)

@@ -19,16 +19,17 @@ Two data-parallel ranks run in spawned gloo processes; nothing here needs CUDA.
 """
 
 import copy
-import importlib.metadata
-import importlib.util
 import multiprocessing
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import distrib_optimizer_upstream
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests import distrib_optimizer_upstream
 
 # The modules exist only in the fork; with the overlay off there is nothing to test.
 param_state = pytest.importorskip(
@@ -60,30 +61,8 @@ OTHER_LAYOUT = [
 
 # ------------------------------------------------------------------------ upstream module
 
-
-def _load_upstream():
-    """megatron-core 0.19.2's ``distrib_optimizer`` module, loaded under a private name."""
-    try:
-        path = Path(
-            importlib.metadata.distribution("megatron-core").locate_file(
-                "megatron/core/optimizer/distrib_optimizer.py"
-            )
-        )
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    if not path.is_file():
-        return None
-    name = "megatron.core.optimizer._upstream_distrib_optimizer_for_param_state_tests"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-UPSTREAM = _load_upstream()
-needs_upstream = pytest.mark.skipif(UPSTREAM is None, reason="megatron-core 0.19.2 not found")
+UPSTREAM = distrib_optimizer_upstream.load()
+needs_upstream = pytest.mark.skipif(UPSTREAM is None, reason="upstream's module is not available")
 
 
 def upstream_method(name):

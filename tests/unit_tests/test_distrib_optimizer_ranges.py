@@ -7,12 +7,8 @@ on real ``_ParamAndGradBuffer`` objects built on the CPU. A few hand-worked exam
 invariants pin the arithmetic down independently of upstream.
 """
 
-import importlib.metadata
-import importlib.util
 import itertools
 import random
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -23,6 +19,11 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed import param_and_grad_buffer as pgb
 from megatron.core.optimizer.param_layout import BufferKey, FullParamLayout, PerBufferParamLayout
 
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import distrib_optimizer_upstream
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests import distrib_optimizer_upstream
+
 # The module is the fork's own; with the overlay switched off there is nothing to test.
 ranges = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer_ranges",
@@ -31,42 +32,7 @@ ranges = pytest.importorskip(
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
 RANGE_KEYS = ["gbuf_world", "gbuf_world_in_bucket", "gbuf_local", "param"]
-UPSTREAM_RELATIVE = "megatron/core/optimizer/distrib_optimizer.py"
-
-
-def _load_upstream_module():
-    """megatron-core 0.19.2's own ``distrib_optimizer`` module.
-
-    While the fork ships no ``distrib_optimizer.py``, the imported module is upstream's. Once
-    it does, upstream's file is loaded from the installed megatron-core under a private name.
-    When neither is possible (a vendored tree whose module is the fork's), the comparisons
-    are skipped rather than comparing the fork with itself.
-    """
-    # pylint: disable=import-outside-toplevel
-    import megatron.core.optimizer.distrib_optimizer as imported
-
-    try:
-        installed = Path(
-            importlib.metadata.distribution("megatron-core").locate_file(UPSTREAM_RELATIVE)
-        )
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
-    if installed is not None and installed.is_file():
-        if Path(imported.__file__).resolve() == installed.resolve():
-            return imported
-        name = "megatron.core.optimizer._upstream_distrib_optimizer_for_tests"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, installed)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        return sys.modules[name]
-    if getattr(imported, "Range", None) is ranges.Range:
-        return None
-    return imported
-
-
-UPSTREAM_MODULE = _load_upstream_module()
+UPSTREAM_MODULE = distrib_optimizer_upstream.load()
 needs_upstream = pytest.mark.skipif(
     UPSTREAM_MODULE is None, reason="upstream's distrib_optimizer module is not available"
 )

@@ -19,10 +19,8 @@ that the fork's constructed optimizer carries upstream's instance attributes.
 
 import ast
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,8 +29,12 @@ import torch
 
 import megatron_optimizer_fork as overlay
 
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import distrib_optimizer_upstream
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests import distrib_optimizer_upstream
+
 MODULE = "megatron.core.optimizer.distrib_optimizer"
-UPSTREAM_RELATIVE = "megatron/core/optimizer/distrib_optimizer.py"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Names other code imports from this module, with where each use was found.
@@ -55,53 +57,20 @@ IMPORTED_MODULE_NAMES = {
 EXTERNALLY_SET_ATTRIBUTES = ("_defer_param_sync",)
 
 
-def _installed_upstream_path():
-    try:
-        located = importlib.metadata.distribution("megatron-core").locate_file(UPSTREAM_RELATIVE)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    path = Path(located)
-    return path if path.is_file() else None
-
-
-def _load_upstream():
-    """megatron-core's own module, executed inside ``megatron.core.optimizer`` under a private name.
-
-    ``megatron_optimizer_fork.load_upstream_module`` executes modules outside any package,
-    which breaks this module's relative imports; registering it as a submodule of
-    ``megatron.core.optimizer`` keeps them working without touching that package's namespace.
-    """
-    path = _installed_upstream_path()
-    if path is None:
-        return None
-    name = "megatron.core.optimizer._upstream_distrib_optimizer_for_tests"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
-
-
 def _fork_module_or_reason():
     """The module ``megatron.core`` resolves, or a reason why it cannot be compared."""
     if not overlay.is_active():
         return None, "the overlay is off (MEGATRON_OPTIMIZER_FORK=0 or not installed)"
     module = importlib.import_module(MODULE)
-    upstream = _installed_upstream_path()
-    if upstream is not None and Path(module.__file__).resolve() == upstream.resolve():
+    if distrib_optimizer_upstream.is_upstreams(module):
         return None, "the fork ships no distrib_optimizer.py: megatron.core resolves upstream's"
     return module, None
 
 
-UPSTREAM = _load_upstream()
+UPSTREAM = distrib_optimizer_upstream.load()
 FORK, FORK_MISSING = _fork_module_or_reason()
 pytestmark = [
-    pytest.mark.skipif(UPSTREAM is None, reason="megatron-core's own module is not installed"),
+    pytest.mark.skipif(UPSTREAM is None, reason="no copy of megatron-core's own module"),
     pytest.mark.skipif(not overlay.is_active(), reason="the overlay is off"),
 ]
 needs_fork = pytest.mark.skipif(FORK is None, reason=str(FORK_MISSING))
@@ -229,7 +198,7 @@ def _class_node(path, class_name):
 
 def upstream_attributes(class_name="DistributedOptimizer", only_init=False):
     """Attributes upstream's class assigns on ``self`` (only in ``__init__`` if asked)."""
-    found = _assigned_self_attributes(_class_node(_installed_upstream_path(), class_name))
+    found = _assigned_self_attributes(_class_node(UPSTREAM.__file__, class_name))
     return sorted(name for name, where in found.items() if not only_init or "__init__" in where)
 
 

@@ -591,11 +591,13 @@ class DistributedOptimizer(
         inner = self.optimizer.state_dict()
         step = self.inner_state.step()
         saved = {key: value for key, value in inner.items() if key != "state"}
+        # Saved with the type upstream saves: torch's float counter, FusedAdam's int.
+        as_saved = float if _counts_steps_per_param(self.optimizer) else int
         for group in saved["param_groups"]:
             del group["params"]
             # FusedAdam does not count steps in empty groups; every group gets the same count.
             if step is not None:
-                group["step"] = int(step)
+                group["step"] = as_saved(step)
 
         state_dict = {"optimizer": saved}
         if self.grad_scaler:
@@ -784,12 +786,19 @@ class DistributedOptimizer(
         """The main value and optimizer state of the owned piece of ``model_param``.
 
         Returns:
-            dict: ``"param"`` (the fp32 main value) and one tensor per entry of
-            :attr:`optimizer_state_keys`. Precision-aware state comes back unscaled in fp32;
-            otherwise the tensors are the live ones. A step count is not included (it is
-            saved with the param groups).
+            dict: ``"param"`` (the fp32 main value), one tensor per entry of
+            :attr:`optimizer_state_keys` and, where the inner optimizer counts steps per
+            parameter (torch's Adam family, also inside the HybridDeviceOptimizer), its live
+            0-dim ``"step"`` tensor, as upstream hands it to its checkpoint writers (which keep
+            it out of the per-element state). Precision-aware state comes back unscaled in
+            fp32; otherwise the tensors are the live ones.
         """
-        return self.inner_state.read(self._inner_param(model_param))
+        shard = self._inner_param(model_param)
+        tensors = self.inner_state.read(shard)
+        step = self.optimizer.state.get(shard, {}).get("step")
+        if torch.is_tensor(step):
+            tensors["step"] = step
+        return tensors
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         """Copy ``tensors`` into the main value and optimizer state of ``model_param``'s piece.
@@ -797,8 +806,10 @@ class DistributedOptimizer(
         Args:
             model_param: an owned model parameter.
             tensors: ``"param"`` and every :attr:`optimizer_state_keys` entry, any dtype and
-                device; other entries (a saved ``step``, say) are ignored. The state must
-                exist; values are copied into it in place.
+                device. The state must exist; values are copied into it in place. A ``step``
+                entry is ignored, present or not: the count comes from the param groups (or a
+                plain dp_reshardable dict), and the one a distributed checkpoint hands back is
+                the loading optimizer's own pre-load tensor, not a saved value.
         """
         self.inner_state.write(self._inner_param(model_param), tensors)
 
