@@ -453,11 +453,13 @@ def _load_resume_tool():
 @needs_fork
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_constructed_instances_carry_upstreams_attributes(tmp_path):
-    """Fork instances carry every attribute of upstream's ``__init__`` and of its instances."""
+    """Fork instances carry every attribute of upstream's ``__init__`` and of its instances.
+
+    Without offload: 0.19.2's own HDO cannot step after a load with torch AdamW on both
+    halves, so its offloaded run never gets as far as recording its attributes.
+    """
     tool = _load_resume_tool()
-    cases = [
-        tool.Case(dtype="bf16", offload=offload, fmt="dp_reshardable") for offload in (0.0, 0.5)
-    ]
+    cases = [tool.Case(dtype="bf16", offload=0.0, fmt="dp_reshardable")]
     results = tool.drive(
         cases,
         pairs=[("fork", "fork"), ("fork", "upstream")],
