@@ -22,32 +22,26 @@ from megatron.core.optimizer import (
 
 SHAPES = [(256, 128), (1024,), (64, 64)]
 
+MASTER_OPTIONS = dict(master_weights=True, use_decoupled_grad=True)
+
+
+def moments_in(dtype):
+    """Precision-aware FusedAdam keeping both moments in ``dtype`` beside an fp32 master."""
+    return (
+        torch.bfloat16,
+        dict(MASTER_OPTIONS, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype),
+        "materialise",
+    )
+
+
 # mode -> (parameter dtype, FusedAdam options, plan the fast path must choose)
 MODES = {
     "fp32": (torch.float32, {}, "adopt"),
-    "bf16_moments_master": (
-        torch.bfloat16,
-        dict(
-            master_weights=True,
-            use_decoupled_grad=True,
-            exp_avg_dtype=torch.bfloat16,
-            exp_avg_sq_dtype=torch.bfloat16,
-        ),
-        "materialise",
-    ),
-    "fp16_moments_master": (
-        torch.bfloat16,
-        dict(
-            master_weights=True,
-            use_decoupled_grad=True,
-            exp_avg_dtype=torch.float16,
-            exp_avg_sq_dtype=torch.float16,
-        ),
-        "materialise",
-    ),
+    "bf16_moments_master": moments_in(torch.bfloat16),
+    "fp16_moments_master": moments_in(torch.float16),
     "param_remainders": (
         torch.bfloat16,
-        dict(master_weights=True, use_decoupled_grad=True, store_param_remainders=True),
+        dict(MASTER_OPTIONS, store_param_remainders=True),
         "materialise",
     ),
 }
