@@ -495,6 +495,8 @@ def load_one(case, folder, args, rank, manifest):
         return result
     model, optimizer = build(case, LOAD_SEED)
     result["instance_attributes"] = sorted(vars(distributed_optimizers(optimizer)[0]))
+    inner = distributed_optimizers(optimizer)[0].optimizer
+    result["inner_optimizer"] = f"{type(inner).__module__}.{type(inner).__name__}"
     _release()
     result["pinned_cold_bytes"] = _pinned_bytes()
     if _needs_priming(case, args.load_with, optimizer, args.prime):
@@ -571,6 +573,7 @@ def _merge_case(parts):
         {k: part.get(k) for k in ("pinned_cold_bytes", "pinned_after_load_bytes", "error")}
         for part in parts
     ]
+    merged["inner_optimizer"] = parts[0].get("inner_optimizer")
     merged["mismatches"] = [m for part in parts for m in part.get("mismatches", [])][:20]
     return merged
 
@@ -743,6 +746,11 @@ def report(results):
             f"{_mib(item.get('load_peak_gpu_extra_bytes')):>8} "
             f"{'-' if seconds is None else f'{seconds:.3f}':>7}"
             + ("  primed" if item.get("primed") else "")
+            + (
+                f"  [{item['inner_optimizer'].rsplit('.', 1)[-1]}]"
+                if item.get("inner_optimizer")
+                else ""
+            )
         )
         if item.get("upstream_fails_too"):
             print(f"    not the fork's: {item['upstream_fails_too'][:400]}")

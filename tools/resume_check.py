@@ -9,12 +9,17 @@ the same steps. It prints, side by side: whether the resumed parameters are bit-
 pinned host memory at cold start and after the load, peak accelerator memory during the
 load, and the load time; and it plots memory over the phases to a PNG.
 
+Where CUDA exists it then resumes a DDP + DistributedOptimizer run (offload off and on, a
+torch.save and a dist-checkpoint format), upstream beside the fork, with the same figures
+per case (tools/distopt_resume.py under torchrun; world size = visible GPUs, at most 2).
+
 On a host without CUDA the fork runs on the CPU (its offloaded share on plain host
 copies); upstream's column shows why it cannot run there.
 """
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,6 +35,8 @@ from megatron_optimizer_fork import load_upstream_module
 # Megatron without TE/Apex uses torch AdamW on both halves; "adam" gives the in-place half
 # another class, which upstream needs because it places loaded state by class.
 GPU_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+# A torch.save format and a dist-checkpoint format Megatron-LM writes by default.
+DISTRIBUTED_FORMATS = ["legacy", "dp_reshardable"]
 PHASES = [
     "cold start",
     "trained",
@@ -287,6 +294,40 @@ def run_in_own_process(name, device):
             return json.load(result)
 
 
+def distributed_check(args, device):
+    """DDP + DistributedOptimizer resume, upstream 0.19.2 beside the fork, each resuming its own
+    checkpoint (``tools/distopt_resume.py`` under torchrun, one job per side).
+
+    Returns:
+        dict or None: the results by case id, or None where it cannot run here.
+    """
+    if args.distributed == "off":
+        return None
+    if device != "cuda":
+        print(
+            "\ndistributed optimizer: skipped, megatron-core's DDP buffers need a CUDA device "
+            "(this host has none); no figures are invented for it"
+        )
+        return None
+    spec = importlib.util.spec_from_file_location(
+        "distopt_resume",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "distopt_resume.py"),
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    if importlib.util.find_spec("transformer_engine") is None:
+        print(
+            "\nTransformer Engine is not importable here: the inner optimizer is torch AdamW, "
+            "so no TE FusedAdam figures are measured"
+        )
+    cases = tool.product(["bf16"], sorted({0.0, args.offload_fraction}), DISTRIBUTED_FORMATS)
+    nproc = min(torch.cuda.device_count(), 2)
+    print(f"\ndistributed optimizer: DDP world size {nproc}, bf16, offload on and off")
+    results = tool.drive(cases, [("fork", "fork"), ("upstream", "upstream")], nproc)
+    tool.report(results)
+    return results
+
+
 def main():
     """Parse arguments, run both implementations, report and plot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -299,6 +340,12 @@ def main():
     parser.add_argument("--offload-fraction", type=float, default=0.5)
     parser.add_argument("--gpu-optimizer", choices=sorted(GPU_OPTIMIZERS), default="adamw")
     parser.add_argument("--out", default="results")
+    parser.add_argument(
+        "--distributed",
+        choices=["auto", "off"],
+        default="auto",
+        help="also resume a DDP + DistributedOptimizer run (needs CUDA)",
+    )
     parser.add_argument("--implementation", choices=sorted(IMPLEMENTATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -320,7 +367,14 @@ def main():
     with open(os.path.join(args.out, f"resume_check_{tag}.json"), "w", encoding="utf-8") as out:
         json.dump({"device": device, "args": vars(args), "results": results}, out, indent=1)
     print(f"\nplot: {png}")
-    return 0 if results["fork"].get("exact") else 1
+    distributed = distributed_check(args, device)
+    if distributed is not None:
+        with open(
+            os.path.join(args.out, f"resume_check_distributed_{tag}.json"), "w", encoding="utf-8"
+        ) as out:
+            json.dump(distributed, out, indent=1, default=str)
+    fork_exact = all(r.get("exact") for k, r in (distributed or {}).items() if "fork2fork" in k)
+    return 0 if results["fork"].get("exact") and fork_exact else 1
 
 
 if __name__ == "__main__":
