@@ -4,13 +4,21 @@
 
 A small Megatron model is wrapped in megatron-core's DistributedDataParallel (distributed
 optimizer, several buckets) and given the optimizer ``get_megatron_optimizer`` builds for it:
-torch AdamW without offload, or the HybridDeviceOptimizer with precision-aware state when a
-share of the state is offloaded. Each case trains ``--steps-before`` steps on fixed per-rank
-data, saves a checkpoint, and goes on for ``--steps-after`` steps; the resulting parameters and
-optimizer state are the reference. The load side builds a fresh model and optimizer (other
-initial weights), loads the checkpoint, takes the same steps and compares everything with
-``torch.equal``. It also records pinned host memory at cold start and after the load, the peak
-GPU memory the load added, and the load time.
+without offload whatever Adam megatron-core picks (TE FusedAdam where Transformer Engine
+imports, else Apex's, else torch AdamW), or the HybridDeviceOptimizer with precision-aware
+state when a share of the state is offloaded. A case's ``optimizer`` can instead insist on TE
+FusedAdam, fp32 moments (``fused_adam``) or Megatron-LM's ``--use-precision-aware-optimizer``
+with bf16 moments and fp32 master weights, without (``precision_aware``) or with
+(``precision_aware_remainders``) ``store_param_remainders``; where TE cannot provide that the
+case is skipped with the reason, never measured on another optimizer.
+
+Each case trains ``--steps-before`` steps on fixed per-rank data, saves a checkpoint, and goes
+on for ``--steps-after`` steps; the resulting parameters and optimizer state are the reference.
+The load side builds a fresh model and optimizer (other initial weights), loads the
+checkpoint, takes the same steps and compares everything with ``torch.equal``. It also records
+pinned host memory at cold start and after the load, the peak GPU memory the load added (the
+``is_loading`` sharded state dict and the load itself), the load time, and the path the fork's
+FusedAdam loader logged.
 
 Save and load are separate ``torchrun`` invocations sharing a checkpoint folder, so that each
 can run either implementation (``upstream`` runs with ``MEGATRON_OPTIMIZER_FORK=0``)::
@@ -25,6 +33,10 @@ Without torchrun, naming both sides runs the two invocations itself::
     python tools/distopt_resume.py --save-with upstream --load-with fork --nproc-per-node 1 \\
         --dtype fp32 bf16 --out result.json
 
+Case names are ``<dtype>-off<fraction>-<format>[-<optimizer>]``, e.g.
+``bf16-off0-dp_reshardable-precision_aware`` (``--cases``), or ``--optimizer`` beside
+``--dtype``/``--offload-fraction``/``--format``.
+
 Loading a fork checkpoint with upstream also runs the ``upstream2upstream`` control: a case
 upstream fails with its own checkpoint too is reported, not counted against the fork.
 
@@ -37,10 +49,13 @@ dist_checkpointing refuses flattened ShardedTensors, so it fails with either imp
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import importlib
+import inspect
 import itertools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -71,6 +86,22 @@ HIDDEN, FFN, BATCH, BUCKET_SIZE = 40, 72, 8, 4000
 TRAIN_STREAM, FOLLOW_UP_STREAM = 1, 2
 SAVE_SEED, LOAD_SEED = 1, 7
 MANIFEST = "manifest.json"
+# "default" keeps megatron-core's own choice of Adam (and the case names from before the
+# variants existed); the others only make sense on TE FusedAdam, without offload.
+OPTIMIZERS = ("default", "fused_adam", "precision_aware", "precision_aware_remainders")
+TE_OPTIMIZERS = OPTIMIZERS[1:]
+PRECISION_AWARE = ("precision_aware", "precision_aware_remainders")
+# Constructor arguments megatron-core's OptimizerConfig requires of TE FusedAdam before it
+# accepts --use-precision-aware-optimizer.
+PRECISION_AWARE_ARGUMENTS = (
+    "master_weight_dtype",
+    "exp_avg_dtype",
+    "exp_avg_sq_dtype",
+    "use_decoupled_grad",
+)
+# Below this TE version megatron-core quietly switches store_param_remainders off.
+REMAINDERS_TE_VERSION = "2.1.0"
+PLAN_LOGGER = "megatron.core.optimizer.fused_adam_state_load"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +111,23 @@ class Case:
     dtype: str
     offload: float
     fmt: str
+    optimizer: str = "default"
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: choose from {OPTIMIZERS}")
+        if self.optimizer in TE_OPTIMIZERS and self.offload > 0:
+            # Offload means the HybridDeviceOptimizer, whose halves are not TE FusedAdam.
+            raise ValueError(f"optimizer {self.optimizer!r} runs without offload only")
+        if self.optimizer in PRECISION_AWARE and self.dtype != "bf16":
+            raise ValueError(f"optimizer {self.optimizer!r} needs bf16 parameters")
 
     @property
     def name(self):
-        """Folder and id fragment, e.g. ``bf16-off0.5-dp_reshardable``."""
-        return f"{self.dtype}-off{self.offload:g}-{self.fmt}"
+        """Folder and id fragment, e.g. ``bf16-off0.5-dp_reshardable`` or
+        ``bf16-off0-dp_reshardable-precision_aware``."""
+        tail = "" if self.optimizer == "default" else f"-{self.optimizer}"
+        return f"{self.dtype}-off{self.offload:g}-{self.fmt}{tail}"
 
     def key(self, world, save_with, load_with):
         """Result id, e.g. ``w1-bf16-off0.5-dp_reshardable-fork2upstream``."""
@@ -93,15 +136,54 @@ class Case:
     @classmethod
     def parse(cls, name):
         """The case a :attr:`name` stands for."""
-        dtype, offload, fmt = name.split("-", 2)
+        parts = name.split("-")
+        if len(parts) == 3:
+            parts.append("default")
+        if len(parts) != 4:
+            raise ValueError(f"not a case name: {name!r}")
+        dtype, offload, fmt, optimizer = parts
         if dtype not in DTYPES or not offload.startswith("off") or fmt not in FORMATS:
             raise ValueError(f"not a case name: {name!r}")
-        return cls(dtype, float(offload[3:]), fmt)
+        return cls(dtype, float(offload[3:]), fmt, optimizer)
 
 
-def product(dtypes, offloads, formats):
+def product(dtypes, offloads, formats, optimizers=("default",)):
     """Every combination of the given values, as cases."""
-    return [Case(d, float(o), f) for d, o, f in itertools.product(dtypes, offloads, formats)]
+    return [
+        Case(d, float(o), f, opt)
+        for d, o, f, opt in itertools.product(dtypes, offloads, formats, optimizers)
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _te_problem(optimizer):
+    """Why Transformer Engine cannot give ``optimizer`` here, or None (no TE needed or fine)."""
+    if optimizer not in TE_OPTIMIZERS:
+        return None
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+    except Exception as error:  # pylint: disable=broad-except
+        # Import failures of TE are not only ImportError (missing CUDA libraries, ABI).
+        return f"Transformer Engine not importable: {type(error).__name__}: {error}"[:300]
+    if optimizer in PRECISION_AWARE:
+        accepted = inspect.signature(FusedAdam).parameters
+        missing = [name for name in PRECISION_AWARE_ARGUMENTS if name not in accepted]
+        if missing:
+            return f"this TE's FusedAdam lacks {', '.join(missing)} (precision-aware optimizer)"
+    if optimizer == "precision_aware_remainders":
+        from megatron.core.utils import get_te_version, is_te_min_version
+
+        if not is_te_min_version(REMAINDERS_TE_VERSION):
+            return (
+                f"TE {get_te_version()} < {REMAINDERS_TE_VERSION}: megatron-core turns "
+                "store_param_remainders off there"
+            )
+    return None
+
+
+def te_unavailable(case):
+    """Why ``case`` cannot run on this machine's Transformer Engine, or None."""
+    return _te_problem(case.optimizer)
 
 
 # --------------------------------------------------------------------------- inside torchrun
@@ -182,14 +264,77 @@ def _torch_dtype(case):
     return torch.bfloat16 if case.dtype == "bf16" else torch.float32
 
 
+def optimizer_options(case):
+    """The OptimizerConfig fields Megatron-LM's optimizer flags set for ``case.optimizer``."""
+    offloaded = case.offload > 0
+    options = {
+        "optimizer_cpu_offload": offloaded,
+        "optimizer_offload_fraction": case.offload,
+        # Megatron-LM only offloads together with the precision-aware optimizer.
+        "use_precision_aware_optimizer": offloaded,
+    }
+    if case.optimizer in PRECISION_AWARE:
+        # --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 with
+        # fp32 main params: FusedAdam keeps the master weights and reads decoupled grads.
+        # store_param_remainders defaults to True in OptimizerConfig, so it is always spelt out.
+        options.update(
+            use_precision_aware_optimizer=True,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+            main_params_dtype=torch.float32,
+            store_param_remainders=case.optimizer == "precision_aware_remainders",
+        )
+    return options
+
+
+def _expected_inner_settings(case):
+    """TE FusedAdam attributes ``case.optimizer`` must end up with (empty: no demands)."""
+    if case.optimizer == "fused_adam":
+        return {
+            "master_weights": False,
+            "exp_avg_dtype": torch.float32,
+            "exp_avg_sq_dtype": torch.float32,
+        }
+    if case.optimizer not in PRECISION_AWARE:
+        return {}
+    return {
+        "master_weights": True,
+        "master_weight_dtype": torch.float32,
+        "exp_avg_dtype": torch.bfloat16,
+        "exp_avg_sq_dtype": torch.bfloat16,
+        "use_decoupled_grad": True,
+        "store_param_remainders": case.optimizer == "precision_aware_remainders",
+    }
+
+
+def inner_settings(case, optimizer):
+    """The inner optimizers' class and precision settings; raises where ``case`` asked for
+    something else, so that no figure is recorded for an optimizer the case does not name."""
+    wanted = _expected_inner_settings(case)
+    settings = {}
+    for dist in distributed_optimizers(optimizer):
+        inner = dist.optimizer
+        name = f"{type(inner).__module__}.{type(inner).__name__}"
+        if case.optimizer in TE_OPTIMIZERS and not name.startswith("transformer_engine."):
+            raise RuntimeError(f"{case.name} asked for TE FusedAdam, megatron-core built {name}")
+        found = {key: getattr(inner, key, None) for key in wanted}
+        wrong = {key: value for key, value in found.items() if value != wanted[key]}
+        if wrong:
+            raise RuntimeError(f"{case.name}: {name} has {wrong}, expected {wanted}")
+        settings[name] = {key: str(value) for key, value in found.items()}
+    return settings
+
+
 def build(case, seed):
     """DDP-wrapped probe model and the optimizer Megatron builds for ``case``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
+    problem = te_unavailable(case)
+    if problem:
+        raise RuntimeError(f"{case.name} not run: {problem}")
     bf16, dtype = case.dtype == "bf16", _torch_dtype(case)
-    offloaded = case.offload > 0
     torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=bf16, params_dtype=dtype
@@ -207,11 +352,8 @@ def build(case, seed):
             bf16=bf16,
             params_dtype=dtype,
             use_distributed_optimizer=True,
-            # Megatron-LM only offloads together with the precision-aware optimizer.
-            optimizer_cpu_offload=offloaded,
-            optimizer_offload_fraction=case.offload,
-            use_precision_aware_optimizer=offloaded,
             clip_grad=1.0,
+            **optimizer_options(case),
         ),
         [model],
     )
@@ -370,9 +512,18 @@ def _needs_priming(case, implementation, optimizer, policy):
     # Upstream 0.19.2 without TE/Apex reads a 'step' from every state entry while describing
     # itself for a dist-checkpoint load, so it cannot describe an optimizer that never stepped.
     # The fork is never primed: loading into a fresh optimizer is part of what is tested.
+    # With TE or Apex FusedAdam upstream allocates the state inside its own is_loading pass, so
+    # priming it would only hide that allocation from the load's peak.
     if implementation != "upstream" or case.fmt == "legacy":
         return False
-    return any(not dist.optimizer.state for dist in distributed_optimizers(optimizer))
+    return any(
+        not dist.optimizer.state and not _is_fused_adam(dist.optimizer)
+        for dist in distributed_optimizers(optimizer)
+    )
+
+
+def _is_fused_adam(inner):
+    return type(inner).__module__.startswith(("transformer_engine.", "apex."))
 
 
 def prime(optimizer):
@@ -408,6 +559,31 @@ def load_checkpoint(case, model, optimizer, folder):
     optimizer.load_state_dict(loaded["optimizer"])
 
 
+class LoadPlanLog(logging.Handler):
+    """Collects what the fork's FusedAdam loader logs about the path it took, while in a
+    ``with`` block (INFO is let through that one logger for the time being)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+        self._logger = logging.getLogger(PLAN_LOGGER)
+        self._level = None
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        self._level = self._logger.level
+        if self._logger.getEffectiveLevel() > logging.INFO:
+            self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+
+
 def _pinned_bytes():
     return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
 
@@ -431,6 +607,7 @@ def _write_json(path, payload):
 def _save_one(case, folder, args, rank):
     """Train, checkpoint, go on, and keep this rank's reference snapshot."""
     model, optimizer = build(case, SAVE_SEED)
+    inner_settings(case, optimizer)
     train(model, optimizer, case, TRAIN_STREAM, args.steps_before, rank.rank)
     save_checkpoint(case, model, optimizer, folder, rank)
     rank.barrier()
@@ -497,6 +674,7 @@ def load_one(case, folder, args, rank, manifest):
     result["instance_attributes"] = sorted(vars(distributed_optimizers(optimizer)[0]))
     inner = distributed_optimizers(optimizer)[0].optimizer
     result["inner_optimizer"] = f"{type(inner).__module__}.{type(inner).__name__}"
+    result["inner_settings"] = inner_settings(case, optimizer)
     _release()
     result["pinned_cold_bytes"] = _pinned_bytes()
     if _needs_priming(case, args.load_with, optimizer, args.prime):
@@ -505,10 +683,13 @@ def load_one(case, folder, args, rank, manifest):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    load_checkpoint(case, model, optimizer, folder)
-    torch.cuda.synchronize()
-    result["load_seconds"] = time.perf_counter() - start
+    with LoadPlanLog() as plans:
+        start = time.perf_counter()
+        load_checkpoint(case, model, optimizer, folder)
+        torch.cuda.synchronize()
+        result["load_seconds"] = time.perf_counter() - start
+    # Only rank 0 of the fork logs; upstream has no such logger.
+    result["fused_adam_load_plans"] = plans.messages
     result["load_peak_gpu_extra_bytes"] = torch.cuda.max_memory_allocated() - before
     gc.collect()
     result["pinned_after_load_bytes"] = _pinned_bytes()
@@ -536,6 +717,7 @@ def run_load(args, rank, module_file):
                 dtype=case.dtype,
                 offload=case.offload,
                 format=case.fmt,
+                optimizer=case.optimizer,
                 save_with=manifest["save_with"],
                 load_with=args.load_with,
                 module_files={"save": manifest["module_file"], "load": module_file},
@@ -573,7 +755,8 @@ def _merge_case(parts):
         {k: part.get(k) for k in ("pinned_cold_bytes", "pinned_after_load_bytes", "error")}
         for part in parts
     ]
-    merged["inner_optimizer"] = parts[0].get("inner_optimizer")
+    for first_rank_only in ("inner_optimizer", "inner_settings", "fused_adam_load_plans"):
+        merged[first_rank_only] = parts[0].get(first_rank_only)
     merged["mismatches"] = [m for part in parts for m in part.get("mismatches", [])][:20]
     return merged
 
@@ -644,13 +827,24 @@ def drive(cases, pairs, nproc, steps_before=3, steps_after=2, workdir=None, time
 
     Returns:
         dict: ``Case.key(nproc, save_with, load_with)`` -> merged result; a job that failed
-        leaves an ``error`` with the tail of its log in each of its cases.
+        leaves an ``error`` with the tail of its log in each of its cases. A case this machine
+        cannot run (see :func:`te_unavailable`) is not started: its results only carry
+        ``skipped`` (the reason) and ``exact`` False.
     """
+    results = {}
+    skipped = {case: te_unavailable(case) for case in cases}
+    for case, reason in skipped.items():
+        for save, load in pairs if reason else ():
+            key = case.key(nproc, save, load)
+            results[key] = {"case": key, "skipped": reason, "error": None, "exact": False}
+    cases = [case for case in cases if not skipped[case]]
+    if not cases:
+        return results
     owned = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="distopt_resume_") if owned else workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     names = [case.name for case in cases]
-    results, save_failures = {}, {}
+    save_failures = {}
     try:
         for save in sorted({save for save, _ in pairs}):
             extra = ["--ckpt-dir", str(workdir / f"saved_by_{save}"), "--cases", *names]
@@ -712,7 +906,9 @@ def control_failure(results, key):
     if not key.endswith("-fork2upstream"):
         return None
     control = results.get(key[: -len("fork2upstream")] + "upstream2upstream")
-    if control is None or control.get("exact") and control.get("common_equal", True):
+    if control is None or control.get("skipped"):
+        return None
+    if control.get("exact") and control.get("common_equal", True):
         return None
     if control.get("error"):
         return f"upstream2upstream fails too: {control['error'][:300]}"
@@ -728,18 +924,22 @@ def _mib(value):
 
 
 def report(results):
-    """One line per case: exactness and the memory/time figures."""
+    """One line per case: exactness and the memory/time figures (a skipped case: why)."""
+    width = max([58, *map(len, results)])
     header = (
-        f"{'case':58} {'exact':>5} {'max|diff|':>9} {'pin cold':>8} {'pin load':>8} "
+        f"{'case':{width}} {'exact':>5} {'max|diff|':>9} {'pin cold':>8} {'pin load':>8} "
         f"{'peak+GPU':>8} {'load s':>7}  (MiB)"
     )
     print(header)
     for key in sorted(results):
         item = results[key]
+        if item.get("skipped"):
+            print(f"{key:{width}} skipped: {item['skipped']}")
+            continue
         diff = item.get("max_abs_diff")
         seconds = item.get("load_seconds")
         print(
-            f"{key:58} {'yes' if item.get('exact') else 'NO':>5} "
+            f"{key:{width}} {'yes' if item.get('exact') else 'NO':>5} "
             f"{'-' if diff is None else f'{diff:.3g}':>9} "
             f"{_mib(item.get('pinned_cold_bytes')):>8} "
             f"{_mib(item.get('pinned_after_load_bytes')):>8} "
@@ -752,6 +952,8 @@ def report(results):
                 else ""
             )
         )
+        for plan in dict.fromkeys(item.get("fused_adam_load_plans") or []):
+            print(f"    load path: {plan[:300]}")
         if item.get("upstream_fails_too"):
             print(f"    not the fork's: {item['upstream_fails_too'][:400]}")
         if item.get("error"):
@@ -761,11 +963,11 @@ def report(results):
 
 
 def selected_cases(args):
-    """``--cases`` if given, else every combination of ``--dtype``, ``--offload-fraction``
-    and ``--format``."""
+    """``--cases`` if given, else every combination of ``--dtype``, ``--offload-fraction``,
+    ``--format`` and ``--optimizer``."""
     if args.cases:
         return [Case.parse(name) for name in args.cases]
-    return product(args.dtype, args.offload_fraction, args.format)
+    return product(args.dtype, args.offload_fraction, args.format, args.optimizer)
 
 
 def parse_args(argv=None):
@@ -777,6 +979,13 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=["bf16"])
     parser.add_argument("--offload-fraction", nargs="+", type=float, default=[0.5])
     parser.add_argument("--format", nargs="+", choices=FORMATS, default=["dp_reshardable"])
+    parser.add_argument(
+        "--optimizer",
+        nargs="+",
+        choices=OPTIMIZERS,
+        default=["default"],
+        help="inner-optimizer variant(s); all but default need Transformer Engine, no offload",
+    )
     parser.add_argument(
         "--cases", nargs="+", help="explicit case names (e.g. bf16-off0.5-legacy) instead"
     )
@@ -799,6 +1008,10 @@ def parse_args(argv=None):
             parser.error(f"--offload-fraction {fraction}: choose from {OFFLOAD_FRACTIONS}")
     if not (args.save_with or args.load_with):
         parser.error("name --save-with, --load-with, or both")
+    try:
+        selected_cases(args)
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -826,10 +1039,13 @@ def main(argv=None):
         if args.out:
             _write_json(args.out, results)
         # The control only excuses its fork2upstream counterpart; it is not judged itself.
+        # A skipped case is not judged either; with nothing judged the run is not a pass.
         judged = [
             result
             for key, result in results.items()
-            if key.endswith(f"-{pair[0]}2{pair[1]}") and not result["upstream_fails_too"]
+            if key.endswith(f"-{pair[0]}2{pair[1]}")
+            and not result["upstream_fails_too"]
+            and not result.get("skipped")
         ]
         return 0 if judged and all(r.get("exact") for r in judged) else 1
     if bool(args.save_with) == bool(args.load_with) or not args.ckpt_dir:

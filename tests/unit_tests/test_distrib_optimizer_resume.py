@@ -9,7 +9,10 @@ size 1 (and 2 when two GPUs are visible), fp32 and bf16, no offload and HybridDe
 offload of half or all of the state, the legacy file format and three dist-checkpoint formats,
 and the directions fork->fork, upstream->fork and fork->upstream, plus upstream->upstream as
 the control: a fork->upstream case is an expected failure (not strict) exactly where upstream
-fails its own checkpoint of that case too, for the reason the control gives.
+fails its own checkpoint of that case too, for the reason the control gives. Where Transformer
+Engine imports, bf16 without offload also runs on TE FusedAdam with fp32 moments and with the
+precision-aware optimizer (bf16 moments, fp32 master weights, with and without
+store_param_remainders); elsewhere those cases are skipped with the reason.
 
 The runs are batched: one torchrun job per saving and per loading implementation and world
 size, started once for all selected tests, so selecting with ``-k`` also shortens the run::
@@ -20,6 +23,7 @@ size, started once for all selected tests, so selecting with ``-k`` also shorten
 """
 
 import importlib.util
+import itertools
 import os
 from pathlib import Path
 
@@ -39,9 +43,13 @@ FORMATS = ["legacy", "dp_zero_gather_scatter", "dp_reshardable", "fully_resharda
 DTYPES = ["fp32", "bf16"]
 OFFLOADS = [0.0, 0.5, 1.0]
 WORLDS = [1, 2] if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else [1]
+# Inner-optimizer variants that need TE FusedAdam: bf16 parameters, no offload.
+TE_VARIANTS = ["fused_adam", "precision_aware", "precision_aware_remainders"]
+TE_FORMATS = FORMATS
 if QUICK:
     FORMATS = ["legacy", "dp_reshardable", "fully_reshardable"]
     DTYPES, OFFLOADS, WORLDS = ["bf16"], [0.0, 0.5], [1]
+    TE_FORMATS = ["dp_reshardable"]
 
 
 def _load_tool():
@@ -67,20 +75,26 @@ def _known_upstream_failure(pair):
     return None
 
 
+def _cases():
+    plain = [TOOL.Case(*values) for values in itertools.product(DTYPES, OFFLOADS, FORMATS)]
+    if not torch.cuda.is_available():
+        # The module is skipped; asking TE about itself would only slow collection down.
+        return plain
+    return plain + TOOL.product(["bf16"], [0.0], TE_FORMATS, TE_VARIANTS)
+
+
 def _params():
-    cases = []
-    for world in WORLDS:
-        for dtype in DTYPES:
-            for offload in OFFLOADS:
-                for fmt in FORMATS:
-                    for pair in PAIRS:
-                        case = TOOL.Case(dtype, offload, fmt)
-                        reason = _known_upstream_failure(pair)
-                        marks = [pytest.mark.xfail(reason=reason, strict=False)] if reason else []
-                        cases.append(
-                            pytest.param(world, case, pair, id=case.key(world, *pair), marks=marks)
-                        )
-    return cases
+    params = []
+    for world, case, pair in itertools.product(WORLDS, _cases(), PAIRS):
+        marks = []
+        skip = TOOL.te_unavailable(case)
+        if skip:
+            marks.append(pytest.mark.skip(reason=skip))
+        reason = _known_upstream_failure(pair)
+        if reason:
+            marks.append(pytest.mark.xfail(reason=reason, strict=False))
+        params.append(pytest.param(world, case, pair, id=case.key(world, *pair), marks=marks))
+    return params
 
 
 @pytest.fixture(scope="session")
