@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -414,10 +415,10 @@ def test_placement_follows_the_tensors_when_both_classes_are_equal():
         id(t) for o in optimizer.cpu_optimizers for g in o.param_groups for t in g["params"]
     }
     assert host_inner == {id(t) for t in optimizer.gpu_params_map_cpu_copy.values()}
+    train(params, optimizer, 1, seed=1)
     for host in optimizer.gpu_params_map_cpu_copy.values():
         assert host.device.type == "cpu"
-        assert host.is_pinned() == torch.cuda.is_available()
-    train(params, optimizer, 1, seed=1)
+        assert host.is_pinned() == torch.cuda.is_available()  # pinned by the first step
     for param in params:
         state = optimizer.state[param]
         assert state["exp_avg"].device == optimizer.param_to_inner_param[param].device
@@ -588,10 +589,14 @@ def test_steps_match_plain_adamw_on_fp32_masters(dtype, fraction):
 
 
 @requires_cuda
+@pytest.mark.parametrize("bucket_numel", [None, 16], ids=["default-buckets", "ring-reused"])
 @pytest.mark.parametrize("fraction", FRACTIONS)
-def test_steps_match_upstream_bit_for_bit(upstream_hdo_class, fraction):
+def test_steps_match_upstream_bit_for_bit(upstream_hdo_class, fraction, bucket_numel, monkeypatch):
     # pylint: disable=redefined-outer-name
-    """Same inputs, same classes: the fork's step and upstream's agree to the bit."""
+    """Same inputs, same classes: the fork's step and upstream's agree to the bit (also with
+    buckets small enough that gradient slots are reused within a step)."""
+    if bucket_numel is not None:
+        monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", bucket_numel)
     options = _options(fraction, DeviceAdamW, DeviceAdamW)
     runs = []
     for hdo_class in (upstream_hdo_class, HybridDeviceOptimizer):
@@ -672,3 +677,216 @@ def test_many_small_parameters_share_host_optimizers_and_step_exactly():
     train(params, optimizer, 3, seed=9)
     train(expected, reference, 3, seed=9)
     assert_equal_params(params, expected)
+
+
+# ---------------------------------------------------------------- the gradient ring
+# With the bucket size lowered to the parameters' size, every parameter is a bucket of its
+# own, so a handful of small parameters exercises slot reuse, slot sizing and the order of
+# downloads and host steps (on the host the same code runs, synchronously).
+
+
+def flat_params(numels, dtype, seed=0):
+    """1-D parameters of the given sizes, so each can be a bucket of its own."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(n, generator=generator).to(DEVICE, dtype)) for n in numels
+    ]
+
+
+def bucket_grads(optimizer):
+    """Per host sub-optimizer: (storage pointer, byte offset, bytes) of each staged gradient."""
+    return [
+        [
+            (
+                grad.untyped_storage().data_ptr(),
+                grad.storage_offset() * grad.element_size(),
+                grad.numel() * grad.element_size(),
+            )
+            for grad in (
+                optimizer.cpu_copy_map_grad[host] for host in sub.param_groups[0]["params"]
+            )
+        ]
+        for sub in optimizer.cpu_optimizers
+    ]
+
+
+def assert_packed_ring(optimizer):
+    """Each bucket's gradients are consecutive views into one slot, every slot holds the
+    largest bucket, consecutive buckets rotate through the slots, and the ring is smaller
+    than a buffer per parameter. Returns the number of slots."""
+    layout = bucket_grads(optimizer)
+    storages = {}
+    for views in layout:
+        assert len({ptr for ptr, _, _ in views}) == 1, "a bucket spans slots"
+        end = 0
+        for _, offset, nbytes in views:
+            assert offset >= end
+            end = offset + nbytes
+        storages.setdefault(views[0][0], set()).add(end)
+    grads = list(optimizer.cpu_copy_map_grad.values())
+    slot_bytes = {g.untyped_storage().nbytes() for g in grads}
+    assert len(slot_bytes) == 1 and slot_bytes.pop() >= max(max(e) for e in storages.values())
+    slots = len(storages)
+    order = [views[0][0] for views in layout]
+    assert order == [order[i % slots] for i in range(len(order))], "slots are not reused in turn"
+    ring = sum(
+        {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in grads}.values()
+    )
+    assert ring <= sum(g.numel() * g.element_size() for g in grads)
+    return slots
+
+
+def train_masters_reference(params, groups_of, steps, seed, has_grad=lambda step, index: True):
+    """Plain AdamW on an fp32 master per parameter, drawing the gradients ``train`` draws."""
+    masters, references = [], []
+    for index, param in enumerate(params):
+        master = param.detach().to("cpu", torch.float32, copy=True)
+        masters.append(master)
+        references.append(
+            DeviceAdamW(
+                [{"params": [master], **groups_of(index)}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8
+            )
+        )
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for index, (param, master) in enumerate(zip(params, masters)):
+            grad = torch.randn(param.shape, generator=generator).to(param.dtype).float()
+            master.grad = grad if has_grad(step, index) else None
+        for reference in references:
+            reference.step()
+    return masters, references
+
+
+def train_drawn(params, optimizer, steps, seed, has_grad=lambda step, index: True, check=None):
+    """``train``, with some gradients left out and ``check(optimizer)`` after every step."""
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for index, param in enumerate(params):
+            grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
+            param.grad = grad if has_grad(step, index) else None
+        optimizer.step()
+        optimizer.zero_grad()
+        if check is not None:
+            check(optimizer)
+
+
+def assert_matches_reference(optimizer, params, masters, references):
+    """Parameters are their masters narrowed, moments equal the reference's, bit for bit."""
+    for param, master, reference in zip(params, masters, references):
+        assert torch.equal(param.detach().cpu(), master.to(param.dtype))
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected = reference.state[master].get(key)
+            actual = optimizer.state[param].get(key)
+            assert (expected is None) == (actual is None), key
+            if expected is not None:
+                assert torch.equal(actual.cpu(), expected)
+
+
+def _second_group_settings(index):
+    return {"weight_decay": 0.1} if index >= 2 else {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_more_buckets_than_slots_reuse_the_ring_and_step_exactly(dtype, monkeypatch):
+    """Eight buckets share a few slots in turn; a slot refilled before its bucket has stepped
+    would change the result."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    params = flat_params([64] * 8, dtype)
+    masters, references = train_masters_reference(params, _second_group_settings, 4, seed=5)
+    optimizer = make_optimizer(params, 1.0)
+    layouts = []
+    train_drawn(params, optimizer, 4, seed=5, check=lambda o: layouts.append(bucket_grads(o)))
+    assert len(layouts[0]) == 8
+    assert 1 < assert_packed_ring(optimizer) < 8
+    assert all(layout == layouts[0] for layout in layouts)  # nothing is rebuilt per step
+    assert_matches_reference(optimizer, params, masters, references)
+
+
+@pytest.mark.parametrize(
+    "numels", [[64, 64, 256, 64, 64, 64], [1024, 64, 64, 64]], ids=["one-larger", "dominant"]
+)
+def test_the_largest_bucket_sizes_the_slots(numels, monkeypatch):
+    """Slots hold the largest bucket; a dominant one leaves a single slot, never a ring
+    larger than one gradient buffer per parameter."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    params = flat_params(numels, torch.bfloat16)
+    masters, references = train_masters_reference(params, _second_group_settings, 3, seed=8)
+    optimizer = make_optimizer(params, 1.0)
+    train(params, optimizer, 3, seed=8)
+    slots = assert_packed_ring(optimizer)
+    largest = max(numels) * 4  # fp32 gradients of the largest bucket
+    assert {g.untyped_storage().nbytes() for g in optimizer.cpu_copy_map_grad.values()} == {largest}
+    if numels[0] * 2 > sum(numels):  # a dominant parameter: one slot, the ring is no larger
+        assert slots == 1
+    assert_matches_reference(optimizer, params, masters, references)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["buckets", "one-host-optimizer"])
+def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monkeypatch):
+    """A parameter without a gradient is neither stepped nor uploaded, and its stale slot
+    bytes reach no other parameter, whether its bucket has other gradients or none."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 32)
+    numels = [32, 48, 32, 32, 16, 16, 32]
+
+    def has_grad(step, index):
+        # Parameter 1 (a bucket of its own) never gets one, parameter 4 every other step,
+        # parameter 5 (sharing a bucket with 4) only from the second step on.
+        return {1: False, 4: step % 2 == 0, 5: step > 0}.get(index, True)
+
+    params = flat_params(numels, torch.bfloat16)
+    masters, references = train_masters_reference(
+        params, _second_group_settings, 4, seed=2, has_grad=has_grad
+    )
+    optimizer = make_optimizer(params, 1.0, overlap_cpu_optimizer_d2h_h2d=overlap)
+    initial = params[1].detach().clone()
+    train_drawn(params, optimizer, 4, seed=2, has_grad=has_grad)
+    assert torch.equal(params[1].detach(), initial)
+    assert "exp_avg" not in optimizer.state[params[1]]
+    assert_matches_reference(optimizer, params, masters, references)
+
+
+@requires_cuda
+def test_pinned_memory_after_the_first_step_is_the_masters_and_the_ring(monkeypatch):
+    """fp32 masters are pinned (uploaded as they are), gradients share a small pinned ring:
+    4 bytes per parameter plus the ring, within upstream's 6; a build alone pins nothing."""
+    numel = 1 << 20  # powers of two: the host caching allocator rounds blocks up to one
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", numel)
+    params = flat_params([numel] * 8, torch.bfloat16)
+    gc.collect()
+    before = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+    optimizer = make_optimizer(params, 1.0)
+    optimizer.dummy_step()  # builds, as a checkpoint load does: pins nothing yet
+    assert torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) == before
+    train(params, optimizer, 1, seed=1)
+    pinned = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0) - before
+
+    masters = list(optimizer.gpu_params_map_cpu_copy.values())
+    assert all(m.is_pinned() and m.dtype == torch.float32 for m in masters)
+    slots = {g.untyped_storage().data_ptr(): g for g in optimizer.cpu_copy_map_grad.values()}
+    assert all(g.is_pinned() for g in slots.values())
+    ring = sum(g.untyped_storage().nbytes() for g in slots.values())
+    total = 8 * numel
+    assert pinned == 4 * total + ring
+    assert ring < 4 * total // 2  # within upstream's 6 bytes per parameter
+    assert_packed_ring(optimizer)
+
+
+@requires_cuda
+def test_the_consumed_gradient_slot_is_not_written_after_the_host_step(monkeypatch):
+    """The upload narrows on the device: after a step, the slots still hold exactly the
+    widened gradients of the last buckets that used them."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    params = flat_params([64] * 8, torch.bfloat16)
+    optimizer = make_optimizer(params, 1.0)
+    grads = []
+    generator = torch.Generator().manual_seed(4)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
+        grads.append(param.grad.float().cpu())
+    optimizer.step()
+    last_user = {}
+    for param, grad in zip(params, grads):
+        staged = optimizer.cpu_copy_map_grad[optimizer.gpu_params_map_cpu_copy[param]]
+        last_user[staged.untyped_storage().data_ptr()] = (staged, grad)
+    for staged, grad in last_user.values():
+        assert torch.equal(staged, grad)

@@ -2,8 +2,10 @@
 """An optimizer that steps part of its parameters on the host and the rest in place.
 
 The offloaded share of the parameters is stepped on host copies by ``cpu_optimizer_cls``
-(one sub-optimizer per parameter when D2H/H2D overlap is on, so each can start as soon as
-its gradient has arrived); the rest is stepped where it lives by ``gpu_optimizer_cls``.
+(one sub-optimizer per bucket of parameters when D2H/H2D overlap is on, so each can start as
+soon as its gradients have arrived); the rest is stepped where it lives by ``gpu_optimizer_cls``.
+Offloaded gradients land in a small ring of host staging slots, one bucket per slot at a time,
+and each stepped host copy is uploaded as it is (an fp32 master is narrowed on the device).
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -14,6 +16,7 @@ optimizer does.
 """
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
@@ -44,6 +47,12 @@ _MASTER = "master_param"
 # own and the D2H / step / H2D pipeline stays fine-grained.
 _HOST_BUCKET_NUMEL = 1 << 22
 
+# Gradient staging slots in the host ring: the downloads of the next buckets run while the
+# host steps the current one; the third slot absorbs jitter in either.
+_RING_SLOTS = 3
+
+# Byte alignment of each gradient inside a slot (one cache line).
+_GRAD_ALIGN = 64
 
 # What _ensure_built creates from the param groups of the moment.
 _BUILT_ON_FIRST_USE = frozenset(
@@ -63,6 +72,9 @@ _BUILT_ON_FIRST_USE = frozenset(
         "_sub_groups",
         "_owner",
         "cpu_copy_map_grad",
+        "_buckets",
+        "_ring",
+        "_ring_plan",
     }
 )
 
@@ -78,6 +90,41 @@ def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     return param.grad if grad is None else grad
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """A host sub-optimizer and where the gradients of its offloaded parameters land.
+
+    Attributes:
+        optimizer: the host sub-optimizer.
+        grads: ``(host copy, public parameter, byte offset in the slot)`` per offloaded
+            parameter, packed in the optimizer's order.
+        nbytes: bytes of a slot these gradients fill.
+        slot: the ring slot they are staged in.
+        follower: the bucket whose download reuses that slot once this one has stepped.
+    """
+
+    optimizer: torch.optim.Optimizer
+    grads: List[Tuple[torch.Tensor, torch.Tensor, int]]
+    nbytes: int
+    slot: int = 0
+    follower: Optional[int] = None
+
+
+@dataclasses.dataclass
+class _RingPlan:
+    """What the first step allocates and pins (see ``_plan_grad_ring``)."""
+
+    slots: int
+    slot_bytes: int
+    pin_slots: bool
+    first_downloads: List[int]
+    masters_to_pin: List[torch.Tensor]
+
+
 class HybridDeviceOptimizer(torch.optim.Optimizer):
     """Adam-style optimizer that splits its parameters between host and accelerator.
 
@@ -90,10 +137,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         gpu_optimizer_cls: optimizer class for the parameters stepped in place.
         param_update_in_fp32: step 16-bit parameters on fp32 copies and keep the copy as
             the ``master_param`` state entry.
-        pin_cpu_grads: pin the host gradient buffers (only where an accelerator exists).
-        pin_cpu_params: pin the host parameter copies (only where an accelerator exists).
-        overlap_cpu_optimizer_d2h_h2d: one host sub-optimizer per parameter and side streams,
-            so copies overlap the host step.
+        pin_cpu_grads: pin the ring of host gradient slots (only where an accelerator exists).
+        pin_cpu_params: pin the host parameter copies on the first step (only where an
+            accelerator exists, and only as far as upstream's pinned total allows).
+        overlap_cpu_optimizer_d2h_h2d: one host sub-optimizer per bucket of parameters, so
+            copies overlap the host step; without it one host sub-optimizer steps them all.
         **kwargs: hyperparameters handed to the sub-optimizers (lr, betas, eps, ...).
     """
 
@@ -128,7 +176,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Placement and sub-optimizers are built on first use (see __getattr__), so a wrapper
         # that regroups the parameters first never allocates for the groups it replaces.
         self._d2h_stream, self._h2d_stream = self._make_streams()
-        self._d2h_events: Dict[torch.optim.Optimizer, Any] = {}
         self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state)
         self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state)
 
@@ -172,7 +219,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             )
         for name in _BUILT_ON_FIRST_USE.intersection(vars(self)):
             delattr(self, name)
-        self._d2h_events.clear()
         self.state.clear()
         self.param_groups = []
         # torch fills a new group's missing keys from ``defaults``; the groups carry only the
@@ -205,13 +251,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             widen = self.param_update_in_fp32 and param.dtype != torch.float32
             if id(param) in candidate_ids and offloaded < budget:
                 offloaded += param.numel()
-                # A widened (fp32) copy stays pageable, as upstream's does, so pinned host
-                # memory per parameter is what upstream pins: the gradient buffers.
+                # Pageable for now: the first step pins the copies it uploads from (see
+                # _plan_grad_ring), so a build that a checkpoint load triggers pins nothing.
                 inner = torch.empty(
-                    param.shape,
-                    dtype=torch.float32 if widen else param.dtype,
-                    device="cpu",
-                    pin_memory=self.pin_cpu_params and param.is_cuda and not widen,
+                    param.shape, dtype=torch.float32 if widen else param.dtype, device="cpu"
                 )
                 inner.copy_(param.detach())
                 self.gpu_params_map_cpu_copy[param] = inner
@@ -275,7 +318,82 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._sub_groups.append((sub_group, group_of_inner[sub_group["params"][0]]))
                 for inner in sub_group["params"]:
                     self._owner[inner] = optimizer
+        self._plan_grad_ring()
+
+    def _plan_grad_ring(self):
+        """Lay out where each host bucket stages its gradients; allocate nothing yet.
+
+        The k-th bucket with offloaded parameters packs its gradients into ring slot
+        ``k % slots``, and the download of bucket ``k + slots`` starts once bucket ``k`` has
+        been stepped. A slot holds the largest bucket, and the ring never takes more bytes
+        than one gradient buffer per parameter would (a dominant bucket gets a single slot).
+
+        Pinned memory stays within what upstream pins for the same parameters (a copy in the
+        parameter's dtype and a gradient buffer in the master's). The ring takes as many
+        slots as fit beside the pinned host copies, but at least one; when even one does not
+        fit (fp32 masters of 16-bit parameters with one bucket of more than half of their
+        elements: a dominant parameter, or no overlap and hence one bucket), the copies are
+        pinned in order while they fit and the rest upload from pageable memory, which is
+        slower but gives the same result.
+        """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
+        self._buckets: List[_Bucket] = []
+        staged = []
+        for optimizer in self.cpu_optimizers:
+            grads, end = [], 0
+            for group in optimizer.param_groups:
+                for host in group["params"]:
+                    param = self.cpu_copys_map_gpu_param.get(host)
+                    if param is not None:  # a host-resident parameter has its own gradient
+                        offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+                        grads.append((host, param, offset))
+                        end = offset + _nbytes(host)
+            if grads:
+                staged.append(len(self._buckets))
+            self._buckets.append(_Bucket(optimizer, grads, end))
+
+        copies = self.cpu_copys_map_gpu_param.items()
+        budget = sum(param.numel() * param.element_size() + _nbytes(host) for host, param in copies)
+        pin_slots = self.pin_cpu_grads and any(param.is_cuda for _, param in copies)
+        pin_copies = [host for host, param in copies if self.pin_cpu_params and param.is_cuda]
+
+        slot_bytes = max((self._buckets[i].nbytes for i in staged), default=0)
+        fit = _RING_SLOTS
+        if pin_slots:
+            fit = (budget - sum(_nbytes(host) for host in pin_copies)) // max(slot_bytes, 1)
+        total = sum(self._buckets[i].nbytes for i in staged)
+        slots = min(_RING_SLOTS, len(staged), max(1, min(total // max(slot_bytes, 1), fit)))
+        for k, index in enumerate(staged):
+            self._buckets[index].slot = k % slots
+            if k + slots < len(staged):
+                self._buckets[index].follower = staged[k + slots]
+
+        pinned = slots * slot_bytes if pin_slots else 0
+        masters_to_pin = []
+        for host in pin_copies:
+            if pinned + _nbytes(host) <= budget:
+                masters_to_pin.append(host)
+                pinned += _nbytes(host)
+        self._ring_plan = _RingPlan(slots, slot_bytes, pin_slots, staged[:slots], masters_to_pin)
+        self._ring: List[torch.Tensor] = []
+
+    @torch.no_grad()
+    def _allocate_ring(self):
+        """On the first step: allocate the slots, view each gradient into its slot, pin copies."""
+        plan = self._ring_plan
+        if self._ring or not plan.slots:
+            return
+        self._ring = [
+            torch.empty(plan.slot_bytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
+            for _ in range(plan.slots)
+        ]
+        for bucket in self._buckets:
+            for host, _, offset in bucket.grads:
+                raw = self._ring[bucket.slot][offset : offset + _nbytes(host)]
+                self.cpu_copy_map_grad[host] = raw.view(host.dtype).view(host.shape)
+        for host in plan.masters_to_pin:
+            # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
+            host.data = host.pin_memory()
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_numel: int = 0):
@@ -345,85 +463,73 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._ensure_built()
         self._sync_hdo_param_groups_to_sub_optimizers()
         self._sync_hdo_state_to_sub_optimizers()
-        self._stage_grads()
+        self._allocate_ring()
+        for param, clone in self._clones_in_place:
+            grad = _grad_of(param)
+            clone.grad = None if grad is None else grad.to(torch.float32)
+        for stream in (self._d2h_stream, self._h2d_stream):
+            if stream is not None:  # the gradients and parameters are the current stream's
+                stream.wait_stream(torch.cuda.current_stream())
         steps_before = [sub_group.get("step") for sub_group, _ in self._sub_groups]
 
+        # D2H -> host step -> H2D, one bucket after the other. A bucket's slot is free again
+        # once its host step has returned (the upload reads the host copy, not the slot), so
+        # that is when the download of the bucket that reuses the slot is queued.
+        downloads = {index: self._download(index) for index in self._ring_plan.first_downloads}
         if self.gpu_optimizer is not None:
             self.gpu_optimizer.step()
-        for optimizer in self.cpu_optimizers:
-            event = self._d2h_events.pop(optimizer, None)
+        for index, bucket in enumerate(self._buckets):
+            event = downloads.pop(index, None)
             if event is not None:
                 event.synchronize()
-            optimizer.step()
-            self._copy_host_params_back(optimizer)
+            bucket.optimizer.step()
+            stepped = []
+            for host, param, _ in bucket.grads:
+                if host.grad is not None:
+                    stepped.append((host, param))
+                    host.grad = None  # the slot is about to hold another bucket's gradients
+            if bucket.follower is not None:
+                downloads[bucket.follower] = self._download(bucket.follower)
+            self._upload(stepped)
         for param, clone in self._clones_in_place:
             param.data.copy_(clone)
             clone.grad = None  # the widened gradient is only needed for this step
         if self._h2d_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._h2d_stream)
+            # Uploads read the host copies until they finish; waiting here means nothing on
+            # the host (a checkpoint load, the next step) can write a copy still being read.
+            self._h2d_stream.synchronize()
 
         self._mirror_group_steps(steps_before)
         self._sync_sub_optimizers_state_to_hdo()
         return loss
 
-    def _stage_grads(self):
-        """Hand every inner tensor the gradient of its parameter (D2H for host copies)."""
-        for param, clone in self._clones_in_place:
-            grad = _grad_of(param)
-            clone.grad = None if grad is None else grad.to(torch.float32)
+    def _download(self, index: int):
+        """Queue the D2H of bucket ``index``'s gradients into its slot; return its event."""
+        with _on_stream(self._d2h_stream):
+            for host, param, _ in self._buckets[index].grads:
+                grad = _grad_of(param)
+                if grad is None:
+                    host.grad = None
+                    continue
+                staged = self.cpu_copy_map_grad[host]
+                if grad.is_cuda and grad.dtype != staged.dtype:
+                    grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
+                staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
+                host.grad = staged
+            return None if self._d2h_stream is None else self._d2h_stream.record_event()
 
-        stream = self._d2h_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with _on_stream(stream):
-            for optimizer in self.cpu_optimizers:
-                for group in optimizer.param_groups:
-                    for host in group["params"]:
-                        self._stage_host_grad(host)
-                if stream is not None:
-                    self._d2h_events[optimizer] = stream.record_event()
-
-    def _stage_host_grad(self, host: torch.Tensor):
-        param = self.cpu_copys_map_gpu_param.get(host)
-        if param is None:  # a host-resident parameter: its grad is already in place
-            return
-        grad = _grad_of(param)
-        if grad is None:
-            host.grad = None
-            return
-        buffer = self.cpu_copy_map_grad.get(host)
-        if buffer is None:
-            buffer = torch.empty(
-                host.shape,
-                dtype=host.dtype,
-                device="cpu",
-                pin_memory=self.pin_cpu_grads and grad.is_cuda,
-            )
-            self.cpu_copy_map_grad[host] = buffer
-        if grad.is_cuda and grad.dtype != buffer.dtype:
-            grad = grad.to(buffer.dtype)  # widen on the device, where it is cheap
-        buffer.copy_(grad.view_as(buffer), non_blocking=grad.is_cuda)
-        host.grad = buffer
-
-    def _copy_host_params_back(self, optimizer: torch.optim.Optimizer):
-        """Upload the parameters ``optimizer`` has just stepped (H2D for host copies)."""
-        stream = self._h2d_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        with _on_stream(stream):
-            for group in optimizer.param_groups:
-                for host in group["params"]:
-                    param = self.cpu_copys_map_gpu_param.get(host)
-                    if param is None or host.grad is None:  # not stepped: nothing changed
-                        continue
-                    source = host
-                    if param.is_cuda and host.dtype != param.dtype:
-                        # Narrow on the host into the gradient buffer this step has just
-                        # consumed: the upload then reads pinned memory at half the bytes,
-                        # and needs no buffer of its own.
-                        source = host.grad.view(-1).view(param.dtype)[: host.numel()]
-                        source.copy_(host.view(-1))
-                    param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
+    def _upload(self, stepped: List[Tuple[torch.Tensor, torch.Tensor]]):
+        """Queue the H2D of the host copies just stepped into their parameters."""
+        with _on_stream(self._h2d_stream):
+            for host, param in stepped:
+                source = host
+                if param.is_cuda and host.dtype != param.dtype:
+                    # Narrow on the device. The staging tensor is allocated on this stream, so
+                    # the caching allocator hands its memory out again only in this stream's
+                    # order, after the narrowing copy has read it.
+                    source = torch.empty_like(host, device=param.device)
+                    source.copy_(host, non_blocking=True)
+                param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
 
     def _mirror_group_steps(self, steps_before: List[Any]):
         """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
