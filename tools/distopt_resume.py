@@ -16,7 +16,8 @@ Each case trains ``--steps-before`` steps on fixed per-rank data, saves a checkp
 on for ``--steps-after`` steps; the resulting parameters and optimizer state are the reference.
 The load side builds a fresh model and optimizer (other initial weights), loads the
 checkpoint, takes the same steps and compares everything with ``torch.equal``. It also records
-pinned host memory at cold start and after the load, the peak GPU memory the load added (the
+pinned host memory the process holds at cold start, after the load and after the resumed
+steps, the peak GPU memory the load added (the
 ``is_loading`` sharded state dict and the load itself), the load time, and the path the fork's
 FusedAdam loader logged.
 
@@ -62,9 +63,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
+
+from megatron_optimizer_fork.memory import pinned_bytes_held, release_cached_pinned_memory
 
 MODULE = "megatron.core.optimizer.distrib_optimizer"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -584,10 +588,6 @@ class LoadPlanLog(logging.Handler):
         self._logger.setLevel(self._level)
 
 
-def _pinned_bytes():
-    return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
-
-
 def _release():
     gc.collect()
     torch.cuda.synchronize()
@@ -595,6 +595,8 @@ def _release():
 
 
 def _error_text(error):
+    # The whole traceback goes to the log; the result keeps the message.
+    traceback.print_exc()
     return f"{type(error).__name__}: {error}".replace("\n", " ")[:2000]
 
 
@@ -670,13 +672,16 @@ def load_one(case, folder, args, rank, manifest):
     result = {"error": _save_error(folder, rank.world), "primed": False}
     if result["error"]:
         return result
+    # What the process holds pinned at cold start includes what building the optimizer freed
+    # into the allocator's cache, so the cache of the previous case is emptied first.
+    release_cached_pinned_memory()
     model, optimizer = build(case, LOAD_SEED)
+    result["pinned_cold_bytes"] = pinned_bytes_held()
     result["instance_attributes"] = sorted(vars(distributed_optimizers(optimizer)[0]))
     inner = distributed_optimizers(optimizer)[0].optimizer
     result["inner_optimizer"] = f"{type(inner).__module__}.{type(inner).__name__}"
     result["inner_settings"] = inner_settings(case, optimizer)
     _release()
-    result["pinned_cold_bytes"] = _pinned_bytes()
     if _needs_priming(case, args.load_with, optimizer, args.prime):
         prime(optimizer)
         result["primed"] = True
@@ -692,8 +697,9 @@ def load_one(case, folder, args, rank, manifest):
     result["fused_adam_load_plans"] = plans.messages
     result["load_peak_gpu_extra_bytes"] = torch.cuda.max_memory_allocated() - before
     gc.collect()
-    result["pinned_after_load_bytes"] = _pinned_bytes()
+    result["pinned_after_load_bytes"] = pinned_bytes_held()
     train(model, optimizer, case, FOLLOW_UP_STREAM, manifest["steps_after"], rank.rank)
+    result["pinned_after_steps_bytes"] = pinned_bytes_held()
     reference = torch.load(folder / f"reference_rank{rank.rank}.pt", weights_only=False)
     result.update(compare(reference, snapshot(model, optimizer)))
     return result
@@ -746,13 +752,22 @@ def _merge_case(parts):
         "max_abs_diff",
         "pinned_cold_bytes",
         "pinned_after_load_bytes",
+        "pinned_after_steps_bytes",
         "load_peak_gpu_extra_bytes",
         "load_seconds",
     ):
         values = [part[figure] for part in parts if figure in part]
         merged[figure] = max(values) if values else None
     merged["per_rank"] = [
-        {k: part.get(k) for k in ("pinned_cold_bytes", "pinned_after_load_bytes", "error")}
+        {
+            k: part.get(k)
+            for k in (
+                "pinned_cold_bytes",
+                "pinned_after_load_bytes",
+                "pinned_after_steps_bytes",
+                "error",
+            )
+        }
         for part in parts
     ]
     for first_rank_only in ("inner_optimizer", "inner_settings", "fused_adam_load_plans"):
@@ -928,6 +943,7 @@ def report(results):
     width = max([58, *map(len, results)])
     header = (
         f"{'case':{width}} {'exact':>5} {'max|diff|':>9} {'pin cold':>8} {'pin load':>8} "
+        f"{'pin step':>8} "
         f"{'peak+GPU':>8} {'load s':>7}  (MiB)"
     )
     print(header)
@@ -943,6 +959,7 @@ def report(results):
             f"{'-' if diff is None else f'{diff:.3g}':>9} "
             f"{_mib(item.get('pinned_cold_bytes')):>8} "
             f"{_mib(item.get('pinned_after_load_bytes')):>8} "
+            f"{_mib(item.get('pinned_after_steps_bytes')):>8} "
             f"{_mib(item.get('load_peak_gpu_extra_bytes')):>8} "
             f"{'-' if seconds is None else f'{seconds:.3f}':>7}"
             + ("  primed" if item.get("primed") else "")

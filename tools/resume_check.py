@@ -35,6 +35,7 @@ import traceback
 import torch
 
 from megatron_optimizer_fork import load_upstream_module
+from megatron_optimizer_fork.memory import pinned_bytes_held
 
 # Megatron without TE/Apex uses torch AdamW on both halves; "adam" gives the in-place half
 # another class, which upstream needs because it places loaded state by class.
@@ -78,11 +79,11 @@ class Memory:
     def __init__(self, device):
         self.cuda = device == "cuda"
 
-    def pinned(self):
-        """Bytes of pinned host memory in use (0 where there is no CUDA)."""
-        if not self.cuda:
-            return 0
-        return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+    @staticmethod
+    def pinned():
+        """Bytes of pinned host memory this process holds, the allocator's cache included
+        (0 where there is no CUDA)."""
+        return pinned_bytes_held()
 
     def device(self):
         """Bytes allocated on the accelerator."""

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, nested_values
@@ -97,6 +98,15 @@ class Model(torch.nn.Module):
         for index, shape in enumerate(shapes):
             self.register_parameter(f"w{index}", torch.nn.Parameter(torch.zeros(shape)))
         self.config = SimpleNamespace(num_moe_experts=None)
+
+
+@pytest.fixture(autouse=True)
+def single_rank_expert_parallelism(monkeypatch):
+    """Parameter names go through megatron's expert renaming, which asks parallel_state for
+    the expert-parallel size and rank. Pin them to one rank, as in a process that never
+    initialised model parallelism (an earlier test may have left torch.distributed up)."""
+    monkeypatch.setattr(parallel_state, "_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE", 1)
+    monkeypatch.setattr(parallel_state, "_MPU_EXPERT_MODEL_PARALLEL_RANK", 0)
 
 
 def model_truth(params, seed):
