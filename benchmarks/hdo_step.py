@@ -228,7 +228,7 @@ def main():
         json.dump({"device": label, "args": vars(args), "rows": rows}, out, indent=1)
     print(
         "\nfloor = fused host AdamW + bf16 D2H + bf16 H2D for the offloaded tensors; pinned = "
-        f"pinned host blocks in use after the timed steps (allocator rounding included); {path}"
+        f"pinned host storage of live tensors after the timed steps; {path}"
     )
 
 
