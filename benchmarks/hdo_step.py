@@ -15,15 +15,18 @@ Without CUDA there is nothing to offload to: the figures are then host-only and 
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 
 from megatron_optimizer_fork import load_upstream_module
-from megatron_optimizer_fork.memory import pinned_bytes_in_use, release_cached_pinned_memory
+from megatron_optimizer_fork.memory import pinned_bytes_held, pinned_bytes_in_use
 
 
 def fork_class():
@@ -113,8 +116,11 @@ def measure_floor(args, device, fraction):
 
 
 def time_hdo(hdo_class, args, device, fraction, overlap):
-    """Median step time of one HDO; its parameters after the steps; pinned memory in use."""
-    release_cached_pinned_memory()
+    """Median step time of one HDO, the pinned memory it needs, a digest of its parameters.
+
+    Run in a process of its own (see ``run_worker``), so that the pinned memory the process
+    holds is this optimizer's alone.
+    """
     generator = torch.Generator().manual_seed(0)
     params, grads = [], []
     for numel in sizes(args):
@@ -141,14 +147,43 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         optimizer.step()
 
     seconds = timed(step, device, args.repeats, warmup=args.warmup)
+    digest = hashlib.sha256()
+    for param in params:
+        digest.update(param.detach().cpu().view(torch.int16).numpy().tobytes())
     result = {
         "step": seconds,
-        "pinned": pinned_bytes_in_use(),
-        "params": [p.detach().cpu() for p in params],
+        "pinned_held": pinned_bytes_held(),
+        "pinned_live": pinned_bytes_in_use(),
+        "digest": digest.hexdigest(),
     }
     del optimizer, params, grads
     gc.collect()
     return result
+
+
+IMPLEMENTATIONS = {"upstream 0.19.2": upstream_class, "fork": fork_class}
+
+
+def run_worker(args, name, fraction, overlap):
+    """Time one implementation in a fresh interpreter; its figures as a dict."""
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        json.dumps([name, fraction, overlap]),
+        "--numel",
+        str(args.numel),
+        "--tensors",
+        str(args.tensors),
+        "--repeats",
+        str(args.repeats),
+        "--warmup",
+        str(args.warmup),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} at {fraction} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main():
@@ -169,32 +204,30 @@ def main():
     )
     parser.add_argument("--skip-upstream", action="store_true")
     parser.add_argument("--out", default="results")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.worker:
+        name, fraction, overlap = json.loads(args.worker)
+        print(json.dumps(time_hdo(IMPLEMENTATIONS[name](), args, device, fraction, overlap)))
+        return
     label = torch.cuda.get_device_name() if device == "cuda" else "CPU only (host figures)"
     print(
         f"HDO step benchmark on {label}; {args.numel / 1e6:.0f}M bf16 params in {args.tensors} "
         f"tensors; torch {torch.__version__}; host threads {torch.get_num_threads()} "
         f"(of {os.cpu_count()} cores)"
     )
-    implementations = {"fork": fork_class}
+    implementations = ["fork"]
     if device == "cuda" and not args.skip_upstream:
-        implementations = {"upstream 0.19.2": upstream_class, **implementations}
+        implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
     rows = []
     for fraction in args.fractions:
         floor = measure_floor(args, device, fraction)
         floor_total = floor["adam"] + floor["d2h"] + floor["h2d"]
         for overlap in overlaps:
-            results = {
-                name: time_hdo(factory(), args, device, fraction, overlap)
-                for name, factory in implementations.items()
-            }
-            reference = next(iter(results.values()))["params"]
-            exact = all(
-                all(torch.equal(a, b) for a, b in zip(reference, result["params"]))
-                for result in results.values()
-            )
+            results = {name: run_worker(args, name, fraction, overlap) for name in implementations}
+            exact = len({result["digest"] for result in results.values()}) == 1
             for name, result in results.items():
                 rows.append(
                     {
@@ -204,31 +237,40 @@ def main():
                         "step_s": result["step"],
                         "floor_s": floor_total,
                         "ratio": result["step"] / floor_total if floor_total else float("nan"),
-                        "pinned_mib": result["pinned"] / 2**20,
+                        "pinned_held_mib": result["pinned_held"] / 2**20,
+                        "pinned_live_mib": result["pinned_live"] / 2**20,
                         "floor": floor,
                         "params_equal_across_implementations": exact,
                     }
                 )
-    print(
-        f"\n{'fraction':>8} {'overlap':>7} {'implementation':>16} {'step s':>8} {'floor s':>8} {'ratio':>6} "
-        f"{'pinned MiB':>11} {'adam s':>7} {'d2h s':>6} {'h2d s':>6} {'d2h GB/s':>8} "
-        f"{'h2d GB/s':>8} {'equal':>5}"
-    )
+    columns = [
+        ("fraction", 8, lambda r: f"{r['fraction']}"),
+        ("overlap", 7, lambda r: str(r["overlap"])),
+        ("implementation", 16, lambda r: r["implementation"]),
+        ("step s", 8, lambda r: f"{r['step_s']:.3f}"),
+        ("floor s", 8, lambda r: f"{r['floor_s']:.3f}"),
+        ("ratio", 6, lambda r: f"{r['ratio']:.2f}"),
+        ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
+        ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
+        ("adam s", 7, lambda r: f"{r['floor']['adam']:.3f}"),
+        ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
+        ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
+        ("d2h GB/s", 8, lambda r: f"{r['floor'].get('d2h_gbps', 0):.1f}"),
+        ("h2d GB/s", 8, lambda r: f"{r['floor'].get('h2d_gbps', 0):.1f}"),
+        ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
+    ]
+    print("\n" + " ".join(f"{name:>{width}}" for name, width, _ in columns))
     for row in rows:
-        f = row["floor"]
-        print(
-            f"{row['fraction']:>8} {str(row['overlap']):>7} {row['implementation']:>16} {row['step_s']:>8.3f} "
-            f"{row['floor_s']:>8.3f} {row['ratio']:>6.2f} {row['pinned_mib']:>11.1f} "
-            f"{f['adam']:>7.3f} {f['d2h']:>6.3f} {f['h2d']:>6.3f} {f.get('d2h_gbps', 0):>8.1f} "
-            f"{f.get('h2d_gbps', 0):>8.1f} {str(row['params_equal_across_implementations']):>5}"
-        )
+        print(" ".join(f"{cell(row):>{width}}" for _, width, cell in columns))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"hdo_step_{device}.json")
     with open(path, "w", encoding="utf-8") as out:
         json.dump({"device": label, "args": vars(args), "rows": rows}, out, indent=1)
     print(
         "\nfloor = fused host AdamW + bf16 D2H + bf16 H2D for the offloaded tensors; pinned = "
-        f"pinned host storage of live tensors after the timed steps; {path}"
+        "pinned host memory the process holds after the timed steps (one process per row, "
+        "allocator rounding and cache included); live = pinned storage its tensors use; "
+        f"equal = identical parameters (sha256) across implementations; {path}"
     )
 
 

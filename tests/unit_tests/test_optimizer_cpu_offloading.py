@@ -892,3 +892,30 @@ def test_the_consumed_gradient_slot_is_not_written_after_the_host_step(monkeypat
         last_user[staged.untyped_storage().data_ptr()] = (staged, grad)
     for staged, grad in last_user.values():
         assert torch.equal(staged, grad)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_fp32_params_with_only_a_decoupled_grad_are_stepped_in_place_too(fraction):
+    """The precision-aware distributed optimizer hands fp32 shards their gradient as
+    ``decoupled_grad`` alone. Those stepped in place get the same update as with ``grad``
+    (a plain AdamW on fp32 masters), state included, and no ``grad`` is left behind."""
+    params = make_params(torch.float32)
+    optimizer = make_optimizer(params, fraction)
+    reference_params = make_params(torch.float32)
+    reference = make_optimizer(reference_params, fraction)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for param, twin in zip(params, reference_params):
+            grad = torch.randn(param.shape, generator=generator).to(DEVICE)
+            param.decoupled_grad = grad
+            twin.grad = grad.clone()
+        optimizer.step()
+        reference.step()
+        assert all(param.grad is None for param in params)
+        optimizer.zero_grad()
+        reference.zero_grad()
+    assert any(inner is param for param, inner in optimizer.param_to_inner_param.items())
+    for param, twin in zip(params, reference_params):
+        assert torch.equal(param, twin)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[param][key], reference.state[twin][key]), key

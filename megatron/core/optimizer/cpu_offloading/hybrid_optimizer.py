@@ -65,6 +65,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "inner_param_to_orig_param",
         "fp32_param_to_orig_param",
         "_clones_in_place",
+        "_stepped_as_is",
         "cpu_param_groups",
         "gpu_param_groups",
         "cpu_optimizers",
@@ -274,6 +275,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for param, clone in self.param_to_fp32_param.items()
             if param not in self.gpu_params_map_cpu_copy
         ]
+        # Parameters the in-place optimizer steps as they are (no copy, no clone).
+        self._stepped_as_is = [p for p, inner in self.param_to_inner_param.items() if inner is p]
 
     def _steps_on_host(self, inner: torch.Tensor) -> bool:
         """Whether ``inner`` is stepped by a host sub-optimizer."""
@@ -467,6 +470,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for param, clone in self._clones_in_place:
             grad = _grad_of(param)
             clone.grad = None if grad is None else grad.to(torch.float32)
+        # torch and TE optimizers read ``grad``; the precision-aware distributed optimizer
+        # leaves fp32 shards their gradient in ``decoupled_grad`` only, so lend it for the step.
+        lent = []
+        for param in self._stepped_as_is:
+            decoupled = getattr(param, "decoupled_grad", None)
+            if decoupled is not None and param.grad is None:
+                param.grad = decoupled.to(param.dtype)
+                lent.append(param)
         for stream in (self._d2h_stream, self._h2d_stream):
             if stream is not None:  # the gradients and parameters are the current stream's
                 stream.wait_stream(torch.cuda.current_stream())
@@ -494,6 +505,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for param, clone in self._clones_in_place:
             param.data.copy_(clone)
             clone.grad = None  # the widened gradient is only needed for this step
+        for param in lent:
+            param.grad = None
         if self._h2d_stream is not None:
             # Uploads read the host copies until they finish; waiting here means nothing on
             # the host (a checkpoint load, the next step) can write a copy still being read.
