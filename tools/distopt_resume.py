@@ -908,16 +908,25 @@ def with_controls(pairs):
 
 
 def control_failure(results, key):
-    """Why the upstream2upstream control of a fork2upstream result failed, or None.
+    """Why megatron-core 0.19.2 itself stands in the way of result ``key``, or None.
+
+    A ``...-fork2upstream`` result is excused when the upstream2upstream control of its case
+    fails too (upstream cannot resume its own checkpoint of that case). A
+    ``...-upstream2fork`` result is excused only when upstream failed to train and save the
+    checkpoint (there is nothing for the fork to load); any failure of the fork's load counts.
 
     Args:
         results: what :func:`drive` returned (with the control pair among its pairs).
-        key: a ``...-fork2upstream`` result id.
+        key: a result id.
 
     Returns:
-        str or None: the control's error or first mismatches when upstream fails its own
-        checkpoint of that case too; None when the control passed or was not run.
+        str or None: upstream's error or first mismatches; None when nothing excuses the result.
     """
+    if key.endswith("-upstream2fork"):
+        error = results.get(key, {}).get("error") or ""
+        if error.startswith(("save failed", "save job exited")):
+            return f"upstream 0.19.2 cannot write this checkpoint: {error[:300]}"
+        return None
     if not key.endswith("-fork2upstream"):
         return None
     control = results.get(key[: -len("fork2upstream")] + "upstream2upstream")
