@@ -822,7 +822,7 @@ def test_the_largest_bucket_sizes_the_slots(numels, monkeypatch):
     assert_matches_reference(optimizer, params, masters, references)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["buckets", "one-host-optimizer"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["ring", "one-slot"])
 def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monkeypatch):
     """A parameter without a gradient is neither stepped nor uploaded, and its stale slot
     bytes reach no other parameter, whether its bucket has other gradients or none."""
@@ -847,30 +847,43 @@ def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monke
 
 
 @requires_cuda
-def test_pinned_memory_after_the_first_step_is_the_masters_and_the_ring(monkeypatch):
-    """fp32 masters are pinned (uploaded as they are), gradients share a small pinned ring:
-    4 bytes per parameter plus the ring, within upstream's 6; a build alone pins nothing."""
-    numel = 1 << 20  # powers of two: the host caching allocator rounds blocks up to one
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("in_fp32", [True, False])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_the_fork_pins_no_more_than_upstream(
+    upstream_hdo_class, fraction, in_fp32, overlap, monkeypatch
+):
+    """After a step, the pinned storage the fork's tensors use (ring slots, then host copies
+    in order) is at most what upstream 0.19.2's tensors use for the same run, and is exactly
+    the planned amount; a build alone (as a checkpoint load triggers) pins nothing."""
+    numel = 1 << 18
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", numel)
-    params = flat_params([numel] * 8, torch.bfloat16)
-    # Blocks in use, not blocks held: earlier tests leave cached blocks the pinning may reuse.
-    release_cached_pinned_memory()
-    before = pinned_bytes_in_use()
-    optimizer = make_optimizer(params, 1.0)
-    optimizer.dummy_step()  # builds, as a checkpoint load does: pins nothing yet
-    assert pinned_bytes_in_use() == before
-    train(params, optimizer, 1, seed=1)
-    pinned = pinned_bytes_in_use() - before
-
-    masters = list(optimizer.gpu_params_map_cpu_copy.values())
-    assert all(m.is_pinned() and m.dtype == torch.float32 for m in masters)
-    slots = {g.untyped_storage().data_ptr(): g for g in optimizer.cpu_copy_map_grad.values()}
-    assert all(g.is_pinned() for g in slots.values())
-    ring = sum(g.untyped_storage().nbytes() for g in slots.values())
-    total = 8 * numel
-    assert pinned == 4 * total + ring
-    assert ring < 4 * total // 2  # within upstream's 6 bytes per parameter
-    assert_packed_ring(optimizer)
+    figures = {}
+    for name, cls in (("upstream", upstream_hdo_class), ("fork", HybridDeviceOptimizer)):
+        params = flat_params([numel] * 8, torch.bfloat16)
+        release_cached_pinned_memory()
+        before = pinned_bytes_in_use()
+        optimizer = make_optimizer(
+            params, fraction, param_update_in_fp32=in_fp32, overlap_cpu_optimizer_d2h_h2d=overlap
+        )
+        if name == "fork":
+            optimizer.dummy_step()
+            assert pinned_bytes_in_use() == before
+        train(params, optimizer, 1, seed=1)
+        figures[name] = pinned_bytes_in_use() - before
+        if name == "fork":
+            copies = list(optimizer.gpu_params_map_cpu_copy.values())
+            pinned = [copy.is_pinned() for copy in copies]
+            assert pinned == sorted(pinned, reverse=True)  # the last copies stay pageable
+            slots = {
+                g.untyped_storage().data_ptr(): g for g in optimizer.cpu_copy_map_grad.values()
+            }
+            assert all(g.is_pinned() for g in slots.values())
+            ring = sum(g.untyped_storage().nbytes() for g in slots.values())
+            masters = sum(c.numel() * c.element_size() for c, pin in zip(copies, pinned) if pin)
+            assert figures["fork"] == ring + masters
+        del optimizer, params
+    assert 0 < figures["fork"] <= figures["upstream"], figures
 
 
 @requires_cuda
@@ -919,3 +932,48 @@ def test_fp32_params_with_only_a_decoupled_grad_are_stepped_in_place_too(fractio
         assert torch.equal(param, twin)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(optimizer.state[param][key], reference.state[twin][key]), key
+
+
+def test_upstream_pinned_bytes_counts_grad_buffers_and_unwidened_copies():
+    """0.19.2 keeps a gradient buffer per offloaded parameter in the host copy's dtype and
+    its pinned parameter copy only when that copy is the host copy (no fp32 update)."""
+    bf16 = torch.zeros(10, dtype=torch.bfloat16)
+    widened = (torch.zeros(10), bf16)
+    kept = (torch.zeros(10, dtype=torch.bfloat16), bf16)
+    assert hybrid_optimizer.upstream_pinned_bytes([widened, widened], pin_grads=True) == 80
+    assert hybrid_optimizer.upstream_pinned_bytes([widened], pin_grads=False) == 0
+    assert hybrid_optimizer.upstream_pinned_bytes([kept], pin_grads=True) == 40
+    assert hybrid_optimizer.upstream_pinned_bytes([kept], pin_grads=False) == 20
+
+
+@pytest.mark.parametrize(
+    "buckets,masters,budget,max_slots,expected",
+    [
+        # 16 equal fp32 masters, a bucket each, upstream's 4 bytes per element: the ring's
+        # three slots push the last three copies out of the budget.
+        ([4] * 16, [4] * 16, 64, 3, (3, [True] * 13 + [False] * 3)),
+        # Without overlap one slot: one copy stays pageable.
+        ([4] * 16, [4] * 16, 64, 1, (1, [True] * 15 + [False])),
+        # Unpinned slots cost no budget.
+        ([4] * 4, [4] * 4, 16, 3, (3, [True] * 4)),
+        # A slot larger than the budget still gets one; nothing else is pinned.
+        ([40], [8, 8], 20, 3, (1, [False, False])),
+        # A dominant bucket gets a single slot (no more staging than all buckets need).
+        ([12, 2, 2], [2, 2, 2], 100, 3, (1, [True] * 3)),
+        # Slots shrink to fit the budget before any copy is pinned.
+        ([10, 10, 10], [10, 10, 10], 25, 3, (2, [False] * 3)),
+        ([], [4, 4], 8, 3, (0, [False, False])),
+    ],
+)
+def test_the_pinning_plan_puts_the_ring_first_and_stays_within_budget(
+    buckets, masters, budget, max_slots, expected
+):
+    pin_slots = budget != 16
+    slots, pinned = hybrid_optimizer.plan_pinned_host_memory(
+        buckets, masters, budget, max_slots, pin_slots
+    )
+    assert (slots, pinned) == expected
+    used = (slots * max(buckets, default=0) if pin_slots else 0) + sum(
+        m for m, p in zip(masters, pinned) if p
+    )
+    assert used <= budget or slots == 1

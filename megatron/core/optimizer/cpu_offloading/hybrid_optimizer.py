@@ -1,11 +1,12 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 """An optimizer that steps part of its parameters on the host and the rest in place.
 
-The offloaded share of the parameters is stepped on host copies by ``cpu_optimizer_cls``
-(one sub-optimizer per bucket of parameters when D2H/H2D overlap is on, so each can start as
-soon as its gradients have arrived); the rest is stepped where it lives by ``gpu_optimizer_cls``.
-Offloaded gradients land in a small ring of host staging slots, one bucket per slot at a time,
-and each stepped host copy is uploaded as it is (an fp32 master is narrowed on the device).
+The offloaded share of the parameters is stepped on host copies by ``cpu_optimizer_cls``, one
+sub-optimizer per bucket of parameters, so each can start as soon as its gradients have
+arrived; the rest is stepped where it lives by ``gpu_optimizer_cls``. Offloaded gradients land
+in a small ring of host staging slots, one bucket per slot at a time, and each stepped host
+copy is uploaded as it is (an fp32 master is narrowed on the device). Pinned host memory stays
+within what megatron-core 0.19.2 keeps pinned for the same parameters.
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -95,6 +96,66 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def upstream_pinned_bytes(copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool) -> int:
+    """Pinned bytes megatron-core 0.19.2's HDO keeps for these offloaded parameters.
+
+    It keeps a gradient buffer in the host copy's dtype (pinned if ``pin_grads``) and pins
+    a copy of each parameter, which stays only when it is the host copy itself (no fp32
+    update); a widened copy replaces it with pageable fp32.
+
+    Args:
+        copies: ``(host copy, accelerator parameter)`` per offloaded parameter.
+        pin_grads: upstream's ``pin_cpu_grads``.
+    """
+    total = 0
+    for host, param in copies:
+        if pin_grads:
+            total += _nbytes(host)
+        if host.dtype == param.dtype:
+            total += _nbytes(param)
+    return total
+
+
+def plan_pinned_host_memory(
+    bucket_nbytes: List[int],
+    master_nbytes: List[int],
+    budget: int,
+    max_slots: int,
+    pin_slots: bool = True,
+) -> Tuple[int, List[bool]]:
+    """How many gradient slots the ring gets and which host copies are pinned.
+
+    The ring comes first, since every download needs a slot: up to ``max_slots`` slots of
+    the largest bucket, no more bytes than all buckets together, fewer if they would exceed
+    ``budget``, but at least one. Host copies are then pinned in order while the total stays within
+    ``budget``, so those left pageable are the last to upload, when nothing waits behind
+    them.
+
+    Args:
+        bucket_nbytes: bytes of each bucket's staged gradients (buckets with any).
+        master_nbytes: bytes of each host copy that may be pinned, in upload order.
+        budget: the most pinned bytes allowed (what upstream keeps pinned).
+        max_slots: ring slots wanted.
+        pin_slots: whether the slots are pinned (count against ``budget``).
+
+    Returns:
+        ``(slots, pinned)``: the slot count (0 without buckets) and a flag per host copy.
+    """
+    if not bucket_nbytes:
+        return 0, [False] * len(master_nbytes)
+    slot = max(bucket_nbytes)
+    # Never more staging than a gradient buffer per parameter (a dominant bucket: one slot).
+    slots = min(max_slots, len(bucket_nbytes), max(1, sum(bucket_nbytes) // slot))
+    while pin_slots and slots > 1 and slots * slot > budget:
+        slots -= 1
+    used = slots * slot if pin_slots else 0
+    pinned = []
+    for nbytes in master_nbytes:
+        pinned.append(used + nbytes <= budget)
+        used += nbytes if pinned[-1] else 0
+    return slots, pinned
+
+
 @dataclasses.dataclass
 class _Bucket:
     """A host sub-optimizer and where the gradients of its offloaded parameters land.
@@ -141,8 +202,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pin_cpu_grads: pin the ring of host gradient slots (only where an accelerator exists).
         pin_cpu_params: pin the host parameter copies on the first step (only where an
             accelerator exists, and only as far as upstream's pinned total allows).
-        overlap_cpu_optimizer_d2h_h2d: one host sub-optimizer per bucket of parameters, so
-            copies overlap the host step; without it one host sub-optimizer steps them all.
+        overlap_cpu_optimizer_d2h_h2d: download the gradients of the next host buckets while
+            the host steps the current one; without it each download waits for the previous
+            bucket's step (one staging slot).
         **kwargs: hyperparameters handed to the sub-optimizers (lr, betas, eps, ...).
     """
 
@@ -295,14 +357,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 if params:
                     target.append({**_hyperparameters(group), "params": params})
 
-        if not self.cpu_param_groups:
-            self.cpu_optimizers = []
-        elif self.overlap_cpu_optimizer_d2h_h2d:
-            self.cpu_optimizers = self.build_cpu_optimizer_list(
-                self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_NUMEL
-            )
-        else:
-            self.cpu_optimizers = [self.cpu_optimizer_cls(self.cpu_param_groups)]
+        # Buckets in both modes: they bound the gradient staging (and so the pinned memory);
+        # the overlap option decides how many buckets are in flight (see _plan_grad_ring).
+        self.cpu_optimizers = self.build_cpu_optimizer_list(
+            self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_NUMEL
+        )
         self.gpu_optimizer = (
             self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
         )
@@ -328,16 +387,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         The k-th bucket with offloaded parameters packs its gradients into ring slot
         ``k % slots``, and the download of bucket ``k + slots`` starts once bucket ``k`` has
-        been stepped. A slot holds the largest bucket, and the ring never takes more bytes
-        than one gradient buffer per parameter would (a dominant bucket gets a single slot).
-
-        Pinned memory stays within what upstream pins for the same parameters (a copy in the
-        parameter's dtype and a gradient buffer in the master's). The ring takes as many
-        slots as fit beside the pinned host copies, but at least one; when even one does not
-        fit (fp32 masters of 16-bit parameters with one bucket of more than half of their
-        elements: a dominant parameter, or no overlap and hence one bucket), the copies are
-        pinned in order while they fit and the rest upload from pageable memory, which is
-        slower but gives the same result.
+        been stepped; a slot holds the largest bucket. With overlap the ring has up to
+        ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
+        each download waits for the previous bucket's step. What is pinned (the slots, then
+        the host copies in order) stays within what upstream keeps pinned for the same
+        parameters (see :func:`plan_pinned_host_memory`); copies left pageable upload more
+        slowly, with the same result.
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._buckets: List[_Bucket] = []
@@ -355,29 +410,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 staged.append(len(self._buckets))
             self._buckets.append(_Bucket(optimizer, grads, end))
 
-        copies = self.cpu_copys_map_gpu_param.items()
-        budget = sum(param.numel() * param.element_size() + _nbytes(host) for host, param in copies)
-        pin_slots = self.pin_cpu_grads and any(param.is_cuda for _, param in copies)
-        pin_copies = [host for host, param in copies if self.pin_cpu_params and param.is_cuda]
-
-        slot_bytes = max((self._buckets[i].nbytes for i in staged), default=0)
-        fit = _RING_SLOTS
-        if pin_slots:
-            fit = (budget - sum(_nbytes(host) for host in pin_copies)) // max(slot_bytes, 1)
-        total = sum(self._buckets[i].nbytes for i in staged)
-        slots = min(_RING_SLOTS, len(staged), max(1, min(total // max(slot_bytes, 1), fit)))
+        copies = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
+        pin_slots = self.pin_cpu_grads and bool(copies)
+        masters = [host for host, _ in copies] if self.pin_cpu_params else []
+        slots, pinned_masters = plan_pinned_host_memory(
+            [self._buckets[i].nbytes for i in staged],
+            [_nbytes(host) for host in masters],
+            upstream_pinned_bytes(copies, self.pin_cpu_grads),
+            _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
+            pin_slots,
+        )
         for k, index in enumerate(staged):
             self._buckets[index].slot = k % slots
             if k + slots < len(staged):
                 self._buckets[index].follower = staged[k + slots]
-
-        pinned = slots * slot_bytes if pin_slots else 0
-        masters_to_pin = []
-        for host in pin_copies:
-            if pinned + _nbytes(host) <= budget:
-                masters_to_pin.append(host)
-                pinned += _nbytes(host)
-        self._ring_plan = _RingPlan(slots, slot_bytes, pin_slots, staged[:slots], masters_to_pin)
+        slot_bytes = max((self._buckets[i].nbytes for i in staged), default=0)
+        self._ring_plan = _RingPlan(
+            slots,
+            slot_bytes,
+            pin_slots,
+            staged[:slots],
+            [host for host, pin in zip(masters, pinned_masters) if pin],
+        )
         self._ring: List[torch.Tensor] = []
 
     @torch.no_grad()
