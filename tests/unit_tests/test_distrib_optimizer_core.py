@@ -18,20 +18,20 @@ Where the fork deliberately differs from upstream (step handling, the inner-grou
 
 import random
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
 
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.distributed import param_and_grad_buffer as pgb
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import distrib_optimizer_upstream
+    from buffer_doubles import FakeGroup, param_and_grad_buffers
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import distrib_optimizer_upstream
+    from tests.unit_tests.buffer_doubles import FakeGroup, param_and_grad_buffers
 
 fork = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer", reason="the fork's module is not importable"
@@ -80,19 +80,6 @@ def fixture_cpu_as_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     if not hasattr(InnerOptimizerState, "retarget"):
         monkeypatch.setattr(InnerOptimizerState, "retarget", _plain_retarget, raising=False)
-
-
-class FakeGroup:
-    """The ``rank()`` and ``size()`` of a process group."""
-
-    def __init__(self, rank, size):
-        self.rank_value, self.size_value = rank, size
-
-    def rank(self):  # pylint: disable=missing-function-docstring
-        return self.rank_value
-
-    def size(self):  # pylint: disable=missing-function-docstring
-        return self.size_value
 
 
 class TinyModel(torch.nn.Module):
@@ -151,32 +138,9 @@ def real_buffers(model, config, world_size, rank, bucket_size, device="cpu"):
     layout = fork.DistributedOptimizer.compute_full_param_layout(
         params, bucket_size, world_size, config
     )
-    buffers = []
-    with (
-        mock.patch("torch.cuda.current_device", return_value=device),
-        mock.patch.object(pgb, "log_on_each_pipeline_stage"),
-    ):
-        for key, (key_params, indices) in pgb.group_params_for_buffers(
-            params, config.grad_reduce_in_fp32
-        ).items():
-            group = FakeGroup(rank, world_size)
-            buffers.append(
-                pgb._ParamAndGradBuffer(  # pylint: disable=protected-access
-                    config,
-                    key.param_dtype,
-                    key.grad_dtype,
-                    [(p, names[p]) for p in key_params],
-                    group,
-                    bucket_size,
-                    names,
-                    1.0,
-                    indices,
-                    False,
-                    SimpleNamespace(tp=FakeGroup(0, 1), dp_cp=group),
-                    param_layout=layout.layouts[key],
-                )
-            )
-    return buffers
+    return param_and_grad_buffers(
+        params, names, layout, config, bucket_size, lambda key: FakeGroup(rank, world_size), device
+    )
 
 
 def construct(module, model, inner, world_size=1, rank=0, bucket_size=None, **options):

@@ -10,19 +10,19 @@ invariants pin the arithmetic down independently of upstream.
 import itertools
 import random
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
 
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.distributed import param_and_grad_buffer as pgb
 from megatron.core.optimizer.param_layout import BufferKey, FullParamLayout, PerBufferParamLayout
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import distrib_optimizer_upstream
+    from buffer_doubles import FakeGroup, param_and_grad_buffers
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import distrib_optimizer_upstream
+    from tests.unit_tests.buffer_doubles import FakeGroup, param_and_grad_buffers
 
 # The module is the fork's own; with the overlay switched off there is nothing to test.
 ranges = pytest.importorskip(
@@ -37,20 +37,6 @@ needs_upstream = pytest.mark.skipif(
     UPSTREAM_MODULE is None, reason="upstream's distrib_optimizer module is not available"
 )
 Upstream = UPSTREAM_MODULE.DistributedOptimizer if UPSTREAM_MODULE is not None else None
-
-
-class FakeGroup:
-    """The two methods of a process group that the range code calls."""
-
-    def __init__(self, rank, size):
-        self.rank_value = rank
-        self.size_value = size
-
-    def rank(self):  # pylint: disable=missing-function-docstring
-        return self.rank_value
-
-    def size(self):  # pylint: disable=missing-function-docstring
-        return self.size_value
 
 
 def fake_buffer(param_index_map, bucket_bounds, rank, world_size, dtypes=None, shards=None):
@@ -623,37 +609,16 @@ def test_full_layout_groups_by_buffer_key():
 
 
 def real_buffers(params, layout, config, bucket_size):
-    """``_ParamAndGradBuffer`` objects on the CPU, one per buffer key of ``layout``.
-
-    Their CUDA allocations go to the CPU and their logging, which needs torch.distributed, is
-    silenced; everything the distributed optimizer reads is built by megatron-core itself.
-    """
+    """megatron-core's ``_ParamAndGradBuffer`` objects on the CPU, one per buffer key."""
     names = {param: f"param{index}" for index, param in enumerate(params)}
-    grouped = pgb.group_params_for_buffers(params, config.grad_reduce_in_fp32)
-    buffers = []
-    with (
-        mock.patch("torch.cuda.current_device", return_value="cpu"),
-        mock.patch.object(pgb, "log_on_each_pipeline_stage"),
-    ):
-        for key, (key_params, indices) in grouped.items():
-            group = FakeGroup(0, layout.layouts[key].num_optimizer_shards)
-            buffers.append(
-                pgb._ParamAndGradBuffer(  # pylint: disable=protected-access
-                    config,
-                    key.param_dtype,
-                    key.grad_dtype,
-                    [(param, names[param]) for param in key_params],
-                    group,
-                    bucket_size,
-                    names,
-                    1.0,
-                    indices,
-                    False,
-                    SimpleNamespace(tp=FakeGroup(0, 1), dp_cp=group),
-                    param_layout=layout.layouts[key],
-                )
-            )
-    return buffers
+    return param_and_grad_buffers(
+        params,
+        names,
+        layout,
+        config,
+        bucket_size,
+        lambda key: FakeGroup(0, layout.layouts[key].num_optimizer_shards),
+    )
 
 
 @needs_upstream

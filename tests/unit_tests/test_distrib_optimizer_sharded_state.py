@@ -32,8 +32,10 @@ from megatron.core.dist_checkpointing.mapping import (
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import distrib_optimizer_upstream
+    from buffer_doubles import FakeGroup
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import distrib_optimizer_upstream
+    from tests.unit_tests.buffer_doubles import FakeGroup
 
 sharded_state = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer_sharded_state",
@@ -75,19 +77,6 @@ UPSTREAM_MEMBERS = (
     "load_parameter_state_from_fs_model_space",
     "load_parameter_state_from_fully_reshardable",
 )
-
-
-class FakeGroup:
-    """A process group's ``rank()`` and ``size()``; no communication."""
-
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):  # pylint: disable=missing-function-docstring
-        return self._rank
-
-    def size(self):  # pylint: disable=missing-function-docstring
-        return self._size
 
 
 class Model(torch.nn.Module):
