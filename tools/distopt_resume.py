@@ -48,6 +48,7 @@ dist_checkpointing refuses flattened ShardedTensors, so it fails with either imp
 """
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import functools
@@ -792,9 +793,14 @@ def merge_rank_files(out, world):
     return merged
 
 
-def _launch(role, implementation, nproc, extra, log_path, timeout):
-    """One torchrun job of this file; returns its exit code (its output goes to ``log_path``)."""
+def _launch(role, implementation, nproc, extra, log_path, timeout, devices=None):
+    """One torchrun job of this file; returns its exit code (its output goes to ``log_path``).
+
+    ``devices``: the GPUs the job may see (CUDA_VISIBLE_DEVICES), or None for all.
+    """
     env = dict(os.environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     if implementation == "upstream":
         env["MEGATRON_OPTIMIZER_FORK"] = "0"
@@ -834,11 +840,47 @@ def _log_tail(path, lines=3):
     return " / ".join(picked) + f" (log: {path})"
 
 
-def drive(cases, pairs, nproc, steps_before=3, steps_after=2, workdir=None, timeout=1200):
+def _visible_devices():
+    """The GPUs this process may hand out, as CUDA_VISIBLE_DEVICES entries."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [entry.strip() for entry in visible.split(",") if entry.strip()]
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+def _run_side_by_side(jobs, nproc, timeout, side_by_side):
+    """Run ``jobs`` (``(role, implementation, extra, log)``), each on ``nproc`` GPUs of its own
+    at the same time where there are enough GPUs and ``side_by_side``, else one after the
+    other; their exit codes, in order."""
+    devices = _visible_devices()
+    if not side_by_side or len(jobs) < 2 or len(jobs) * nproc > len(devices):
+        return [_launch(*job[:2], nproc, *job[2:], timeout) for job in jobs]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [
+            pool.submit(
+                _launch, *job[:2], nproc, *job[2:], timeout, devices[i * nproc : (i + 1) * nproc]
+            )
+            for i, job in enumerate(jobs)
+        ]
+        return [future.result() for future in futures]
+
+
+def drive(
+    cases,
+    pairs,
+    nproc,
+    steps_before=3,
+    steps_after=2,
+    workdir=None,
+    timeout=1200,
+    side_by_side=True,
+):
     """Run every (save_with, load_with) pair over ``cases`` with the fewest torchrun jobs.
 
     One save job per saving implementation and one load job per loading implementation (it
-    reads every checkpoint folder it needs) are started, one after the other.
+    reads every checkpoint folder it needs): the save jobs first, then the load jobs, the jobs
+    of each phase side by side on GPUs of their own where there are enough and
+    ``side_by_side`` (pass False when timings are compared across implementations).
 
     Returns:
         dict: ``Case.key(nproc, save_with, load_with)`` -> merged result; a job that failed
@@ -861,30 +903,45 @@ def drive(cases, pairs, nproc, steps_before=3, steps_after=2, workdir=None, time
     names = [case.name for case in cases]
     save_failures = {}
     try:
-        for save in sorted({save for save, _ in pairs}):
+        savers = sorted({save for save, _ in pairs})
+        save_jobs = []
+        for save in savers:
             extra = ["--ckpt-dir", str(workdir / f"saved_by_{save}"), "--cases", *names]
             extra += ["--steps-before", str(steps_before), "--steps-after", str(steps_after)]
-            log = workdir / f"save_{save}.log"
-            code = _launch("save", save, nproc, extra, log, timeout)
+            save_jobs.append(("save", save, extra, workdir / f"save_{save}.log"))
+        for job, code in zip(save_jobs, _run_side_by_side(save_jobs, nproc, timeout, side_by_side)):
             if code != 0:
-                save_failures[save] = f"save job exited {code}: {_log_tail(log)}"
-        for load in sorted({load for _, load in pairs}):
-            sources = [saver for saver, loader in pairs if loader == load]
+                save_failures[job[1]] = f"save job exited {code}: {_log_tail(job[3])}"
+
+        loaders = sorted({load for _, load in pairs})
+        sources = {load: [saver for saver, loader in pairs if loader == load] for load in loaders}
+        load_jobs = []
+        for load in loaders:
             readable = [
-                saver for saver in sources if (workdir / f"saved_by_{saver}" / MANIFEST).exists()
+                saver
+                for saver in sources[load]
+                if (workdir / f"saved_by_{saver}" / MANIFEST).exists()
             ]
-            merged, code, log = {}, None, workdir / f"load_{load}.log"
             if readable:
-                out = workdir / f"loaded_by_{load}.json"
                 extra = ["--ckpt-dir", *(str(workdir / f"saved_by_{saver}") for saver in readable)]
-                extra += ["--out", str(out)]
-                code = _launch("load", load, nproc, extra, log, timeout)
+                extra += ["--out", str(workdir / f"loaded_by_{load}.json")]
+                load_jobs.append(("load", load, extra, workdir / f"load_{load}.log"))
+        codes = dict(
+            zip(
+                [job[1] for job in load_jobs],
+                _run_side_by_side(load_jobs, nproc, timeout, side_by_side),
+            )
+        )
+        for load in loaders:
+            merged, code, log = {}, codes.get(load), workdir / f"load_{load}.log"
+            if load in codes:
+                out = workdir / f"loaded_by_{load}.json"
                 merged = (
                     json.loads(out.read_text(encoding="utf-8"))
                     if out.exists()
                     else merge_rank_files(out, nproc)
                 )
-            for case, save in itertools.product(cases, sources):
+            for case, save in itertools.product(cases, sources[load]):
                 key = case.key(nproc, save, load)
                 result = merged.get(key) or {"case": key, "error": "no result"}
                 problems = [save_failures.get(save), result.get("error")]

@@ -1,0 +1,79 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""CPU tests of the resume tool's own logic: which results upstream's bugs excuse, and how its
+torchrun jobs share the GPUs."""
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "distopt_resume.py"
+
+
+@pytest.fixture(name="tool", scope="module")
+def fixture_tool():
+    spec = importlib.util.spec_from_file_location("distopt_resume_tool_cpu", TOOL_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_upstreams_own_failures_are_excused(tool):
+    save_error = "save failed on rank 0: ValueError: can't optimize a non-leaf Tensor"
+    results = {
+        "w1-fp32-off0.5-legacy-upstream2fork": {"error": save_error},
+        "w1-bf16-off0.5-legacy-upstream2fork": {"error": "KeyError: 'step'"},
+        "w1-bf16-off0-legacy-fork2upstream": {"error": "KeyError: 'step'"},
+        "w1-bf16-off0-legacy-upstream2upstream": {"error": "KeyError: 'step'", "exact": False},
+        "w1-bf16-off1-legacy-fork2upstream": {"error": "boom"},
+        "w1-bf16-off1-legacy-upstream2upstream": {"exact": True, "common_equal": True},
+        "w1-bf16-off1-legacy-fork2fork": {"error": save_error},
+    }
+    excuse = tool.control_failure
+    assert "cannot write" in excuse(results, "w1-fp32-off0.5-legacy-upstream2fork")
+    # A failure of the fork's load is never excused, nor is the fork's own save.
+    assert excuse(results, "w1-bf16-off0.5-legacy-upstream2fork") is None
+    assert excuse(results, "w1-bf16-off1-legacy-fork2fork") is None
+    assert "fails too" in excuse(results, "w1-bf16-off0-legacy-fork2upstream")
+    # Upstream passing its own checkpoint leaves the fork's checkpoint to blame.
+    assert excuse(results, "w1-bf16-off1-legacy-fork2upstream") is None
+
+
+@pytest.mark.parametrize(
+    "visible,nproc,jobs,side_by_side,expected",
+    [
+        (["0", "1"], 1, 2, True, [["0"], ["1"]]),
+        (["0", "1"], 2, 2, True, [None, None]),  # not enough GPUs: one after the other
+        (["0", "1"], 1, 2, False, [None, None]),
+        (["4", "5", "6", "7"], 2, 2, True, [["4", "5"], ["6", "7"]]),
+        (["0", "1"], 1, 1, True, [None]),
+    ],
+)
+def test_jobs_run_side_by_side_only_on_gpus_of_their_own(
+    tool, monkeypatch, visible, nproc, jobs, side_by_side, expected
+):
+    seen, running, overlap = {}, [0], [False]
+    lock = threading.Lock()
+
+    def launch(role, implementation, n, extra, log, timeout, devices=None):
+        assert (role, n, extra, timeout) == ("save", nproc, [], 60)
+        with lock:
+            running[0] += 1
+            overlap[0] |= running[0] > 1
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        seen[implementation] = devices
+        return 0 if implementation != "job1" else 3
+
+    monkeypatch.setattr(tool, "_launch", launch)
+    monkeypatch.setattr(tool, "_visible_devices", lambda: visible)
+    job_list = [("save", f"job{i}", [], f"log{i}") for i in range(jobs)]
+    codes = tool._run_side_by_side(
+        job_list, nproc, 60, side_by_side
+    )  # pylint: disable=protected-access
+    assert codes == [0, 3][:jobs]
+    assert [seen[f"job{i}"] for i in range(jobs)] == expected
+    assert overlap[0] == (expected[0] is not None)
