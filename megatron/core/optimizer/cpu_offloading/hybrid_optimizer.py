@@ -127,9 +127,9 @@ def plan_pinned_host_memory(
 
     The ring comes first, since every download needs a slot: up to ``max_slots`` slots of
     the largest bucket, no more bytes than all buckets together, fewer if they would exceed
-    ``budget``, but at least one. Host copies are then pinned in order while the total stays within
-    ``budget``, so those left pageable are the last to upload, when nothing waits behind
-    them.
+    ``budget``, but at least one. Host copies are then pinned in order while the total stays
+    within ``budget``, so those left pageable are the last to upload, when nothing waits
+    behind them.
 
     Args:
         bucket_nbytes: bytes of each bucket's staged gradients (buckets with any).
