@@ -6,7 +6,8 @@ sub-optimizer per bucket of parameters, so each can start as soon as its gradien
 arrived; the rest is stepped where it lives by ``gpu_optimizer_cls``. Offloaded gradients land
 in a small ring of host staging slots, one bucket per slot at a time, and each stepped host
 copy is uploaded as it is (an fp32 master is narrowed on the device). Pinned host memory stays
-within what megatron-core 0.19.2 keeps pinned for the same parameters.
+within what megatron-core 0.19.2 keeps pinned for the same parameters; host copies that do not
+fit stay pageable and go up through a slot that has no further use in the step.
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -391,8 +392,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
         each download waits for the previous bucket's step. What is pinned (the slots, then
         the host copies in order) stays within what upstream keeps pinned for the same
-        parameters (see :func:`plan_pinned_host_memory`); copies left pageable upload more
-        slowly, with the same result.
+        parameters (see :func:`plan_pinned_host_memory`). The copies left pageable are the
+        last to upload; where their bucket's slot is free by then (no download follows), they
+        are staged through it (see ``_upload``).
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._buckets: List[_Bucket] = []
@@ -555,7 +557,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     host.grad = None  # the slot is about to hold another bucket's gradients
             if bucket.follower is not None:
                 downloads[bucket.follower] = self._download(bucket.follower)
-            self._upload(stepped)
+            self._upload(stepped, staged_in_slot=bucket.follower is None)
         for param, clone in self._clones_in_place:
             param.data.copy_(clone)
             clone.grad = None  # the widened gradient is only needed for this step
@@ -585,17 +587,29 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 host.grad = staged
             return None if self._d2h_stream is None else self._d2h_stream.record_event()
 
-    def _upload(self, stepped: List[Tuple[torch.Tensor, torch.Tensor]]):
-        """Queue the H2D of the host copies just stepped into their parameters."""
+    def _upload(self, stepped: List[Tuple[torch.Tensor, torch.Tensor]], staged_in_slot: bool):
+        """Queue the H2D of the host copies just stepped into their parameters.
+
+        Args:
+            stepped: ``(host copy, parameter)`` pairs of one bucket.
+            staged_in_slot: the bucket's slot is free for the rest of the step (no download
+                follows it), so pageable copies go up through it.
+        """
         with _on_stream(self._h2d_stream):
             for host, param in stepped:
                 source = host
+                if staged_in_slot and self._ring_plan.pin_slots and not host.is_pinned():
+                    # An upload from pageable memory blocks the host until it is done, holding
+                    # up the next host step; a host copy into the pinned slot (where this
+                    # gradient was) is faster and lets the upload run behind it.
+                    source = self.cpu_copy_map_grad[host]
+                    source.copy_(host)
                 if param.is_cuda and host.dtype != param.dtype:
                     # Narrow on the device. The staging tensor is allocated on this stream, so
                     # the caching allocator hands its memory out again only in this stream's
                     # order, after the narrowing copy has read it.
-                    source = torch.empty_like(host, device=param.device)
-                    source.copy_(host, non_blocking=True)
+                    narrowed = torch.empty_like(host, device=param.device)
+                    source = narrowed.copy_(source, non_blocking=True)
                 param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
 
     def _mirror_group_steps(self, steps_before: List[Any]):
