@@ -706,13 +706,34 @@ def load_one(case, folder, args, rank, manifest):
     return result
 
 
+def _rank_file(out, rank_index):
+    return Path(f"{out}.rank{rank_index}")
+
+
+def _current_file(out, rank_index):
+    return Path(f"{out}.current.rank{rank_index}")
+
+
 def run_load(args, rank, module_file):
-    """Load every case of every ``--ckpt-dir``; each rank writes its part next to ``--out``."""
+    """Load every case of every ``--ckpt-dir``; each rank writes its part next to ``--out``.
+
+    The part is rewritten after every case, and the case under way is named in a marker
+    file, so that a job killed by one case (a CUDA error that ends the process) can be
+    started again from the next one (see :func:`_load_until_done`): with ``--continue-load``
+    the cases already in the part are not run again.
+    """
+    part = _rank_file(args.out, rank.rank)
     results = {}
+    if args.continue_load and part.exists():
+        results = json.loads(part.read_text(encoding="utf-8"))
     for root in args.ckpt_dir:
         manifest, cases = _saved_cases(root, rank.world)
         for case in cases:
             key = case.key(rank.world, manifest["save_with"], args.load_with)
+            if key in results:
+                continue
+            _write_json(_current_file(args.out, rank.rank), {"case": key})
+            print(f"[rank {rank.rank}] load {key}", flush=True)
             try:
                 result = load_one(case, Path(root) / case.name, args, rank, manifest)
             except Exception as error:  # pylint: disable=broad-except
@@ -730,8 +751,9 @@ def run_load(args, rank, module_file):
                 module_files={"save": manifest["module_file"], "load": module_file},
             )
             results[key] = result
+            _write_json(part, results)
             _release()
-    _write_json(f"{args.out}.rank{rank.rank}", results)
+    _current_file(args.out, rank.rank).unlink(missing_ok=True)
     rank.barrier()
     if rank.rank == 0:
         merged = merge_rank_files(args.out, rank.world)
@@ -781,7 +803,7 @@ def merge_rank_files(out, world):
     """Merge the ``<out>.rank<r>`` files every rank of a load job wrote."""
     parts = []
     for index in range(world):
-        path = Path(f"{out}.rank{index}")
+        path = _rank_file(out, index)
         parts.append(json.loads(path.read_text(encoding="utf-8")) if path.exists() else {})
     keys = sorted(set().union(*parts))
     merged = {}
@@ -830,14 +852,65 @@ def _launch(role, implementation, nproc, extra, log_path, timeout, devices=None)
 
 
 def _log_tail(path, lines=3):
-    """The last error lines of a job's log (its last lines if none), on one line."""
+    """The last error lines of a job's log (its last lines if none), on one line.
+
+    C++ stack frames and the launcher's own report are left out: they name no cause.
+    """
     try:
         text = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError:
         return f"(no log at {path})"
-    errors = [line for line in text if "Error" in line or "Exception" in line]
+    errors = [
+        line
+        for line in text
+        if ("Error" in line or "Exception" in line)
+        and not line.lstrip().startswith("frame #")
+        and "ChildFailedError" not in line
+    ]
     picked = [line.strip() for line in (errors or text)[-lines:]]
     return " / ".join(picked) + f" (log: {path})"
+
+
+def _load_until_done(job, nproc, timeout, code):
+    """Start a load job again after it died, from the case after the one it died in.
+
+    That case keeps an error naming the exit code and the log's last error lines, each rank's
+    part gets it, so the next start skips it. Stops when the job exits cleanly, or when a
+    start names no case or the same case as before (nothing left to skip).
+
+    Args:
+        job: ``(role, implementation, extra, log)`` as for :func:`_launch`; ``extra`` holds
+            ``--out``.
+        nproc: ranks of the job.
+        timeout: seconds per start.
+        code: exit code of the first start.
+
+    Returns:
+        The exit code of the last start.
+    """
+    role, implementation, extra, log = job
+    out = extra[extra.index("--out") + 1]
+    extra = [*extra, "--continue-load"]
+    crashed = set()
+    attempt = 0
+    while code not in (0, "timeout"):  # a hung case would hang again: no restart
+        markers = [_current_file(out, index) for index in range(nproc)]
+        names = {json.loads(m.read_text(encoding="utf-8"))["case"] for m in markers if m.exists()}
+        if len(names) != 1 or names & crashed:
+            return code
+        key = names.pop()
+        crashed.add(key)
+        error = f"the load job died in this case (exit {code}): {_log_tail(log)}"
+        for index in range(nproc):
+            part = _rank_file(out, index)
+            results = json.loads(part.read_text(encoding="utf-8")) if part.exists() else {}
+            results[key] = {"error": error}
+            _write_json(part, results)
+        attempt += 1
+        log = Path(f"{job[3]}.restart{attempt}")
+        print(f"load job of {implementation} died in {key}; restarting after it", flush=True)
+        code = _launch(role, implementation, nproc, extra, log, timeout)
+    return code
 
 
 def _visible_devices():
@@ -923,15 +996,17 @@ def drive(
                 if (workdir / f"saved_by_{saver}" / MANIFEST).exists()
             ]
             if readable:
+                out = workdir / f"loaded_by_{load}.json"
+                for stale in [out, *workdir.glob(f"{out.name}.*")]:
+                    stale.unlink()
                 extra = ["--ckpt-dir", *(str(workdir / f"saved_by_{saver}") for saver in readable)]
-                extra += ["--out", str(workdir / f"loaded_by_{load}.json")]
+                extra += ["--out", str(out)]
                 load_jobs.append(("load", load, extra, workdir / f"load_{load}.log"))
-        codes = dict(
-            zip(
-                [job[1] for job in load_jobs],
-                _run_side_by_side(load_jobs, nproc, timeout, side_by_side),
-            )
-        )
+        first_codes = _run_side_by_side(load_jobs, nproc, timeout, side_by_side)
+        codes = {
+            job[1]: _load_until_done(job, nproc, timeout, code) if code != 0 else 0
+            for job, code in zip(load_jobs, first_codes)
+        }
         for load in loaders:
             merged, code, log = {}, codes.get(load), workdir / f"load_{load}.log"
             if load in codes:
@@ -1075,6 +1150,11 @@ def parse_args(argv=None):
     parser.add_argument("--steps-before", type=int, default=3)
     parser.add_argument("--steps-after", type=int, default=2)
     parser.add_argument("--out", help="result JSON (load side, or both sides)")
+    parser.add_argument(
+        "--continue-load",
+        action="store_true",
+        help="restart of a load job that died: keep the cases already in its rank parts",
+    )
     parser.add_argument(
         "--nproc-per-node", type=int, default=1, help="ranks when this script starts torchrun"
     )

@@ -77,3 +77,58 @@ def test_jobs_run_side_by_side_only_on_gpus_of_their_own(
     assert codes == [0, 3][:jobs]
     assert [seen[f"job{i}"] for i in range(jobs)] == expected
     assert overlap[0] == (expected[0] is not None)
+
+
+class _Died(BaseException):
+    """Stands for a CUDA error that ends the process: no ``except Exception`` stops it."""
+
+
+def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_path):
+    """Every case but the one that killed the job gets its result, and that one an error
+    naming the exit code and the log's cause; a case is run once."""
+    names = ["bf16-off0-legacy", "bf16-off0.5-legacy", "bf16-off0-dp_reshardable"]
+    root = tmp_path / "saved_by_upstream"
+    root.mkdir()
+    manifest = {"save_with": "upstream", "world": 1, "module_file": "m", "steps_after": 1}
+    manifest["cases"] = [vars(tool.Case.parse(name)) for name in names]
+    (root / tool.MANIFEST).write_text(tool.json.dumps(manifest), encoding="utf-8")
+    killer = tool.Case.parse(names[1]).key(1, "upstream", "upstream")
+    runs = []
+
+    def load_one(case, folder, args, rank, manifest):  # pylint: disable=unused-argument
+        runs.append(case.name)
+        if case.key(1, "upstream", "upstream") == killer:
+            raise _Died()
+        return {"error": None, "params_exact": True, "state_exact": True}
+
+    class Rank:
+        rank, world = 0, 1
+
+        @staticmethod
+        def barrier():
+            pass
+
+    def launch(role, implementation, nproc, extra, log, timeout, devices=None):
+        assert (role, implementation, nproc, devices) == ("load", "upstream", 1, None)
+        Path(log).write_text("frame #0: c10::Error::Error\nRuntimeError: CUDA error\n")
+        args = tool.parse_args(["--load-with", "upstream", "--ckpt-dir", str(root), *extra])
+        try:
+            tool.run_load(args, Rank(), "m")
+        except _Died:
+            return 1
+        return 0
+
+    monkeypatch.setattr(tool, "load_one", load_one)
+    monkeypatch.setattr(tool, "_release", lambda: None)  # no CUDA here
+    monkeypatch.setattr(tool, "_launch", launch)
+    out = tmp_path / "loaded_by_upstream.json"
+    job = ("load", "upstream", ["--out", str(out)], tmp_path / "load.log")
+    assert launch(*job[:2], 1, job[2], job[3], 60) == 1
+    assert tool._load_until_done(job, 1, 60, 1) == 0  # pylint: disable=protected-access
+    assert runs == [names[0], names[1], names[2]]
+    results = tool.json.loads(out.read_text(encoding="utf-8"))
+    assert sorted(results) == sorted(
+        tool.Case.parse(name).key(1, "upstream", "upstream") for name in names
+    )
+    assert "died in this case (exit 1): RuntimeError: CUDA error" in results[killer]["error"]
+    assert all(results[key]["exact"] for key in results if key != killer)
