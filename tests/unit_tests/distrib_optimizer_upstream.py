@@ -46,3 +46,20 @@ def load():
     else:
         module = megatron_optimizer_fork.load_upstream_module(MODULE)
     return module if is_upstreams(module) else None
+
+
+def as_with_torch_adam(module, monkeypatch):
+    """Puts upstream's module in the mode it runs torch Adam in: neither TE nor Apex imported.
+
+    0.19.2 decides at import (``HAVE_APEX_OR_TE``) whether its inner optimizer keeps the Adam
+    step in its param groups, and only then leaves ``step`` out of its checkpoints. It builds
+    torch Adam only where neither imports, so a comparison that gives it torch AdamW on a
+    machine with Transformer Engine must switch that flag off, or upstream drops the step
+    counter it needs.
+
+    Args:
+        module (module or None): What :func:`load` returned.
+        monkeypatch (pytest.MonkeyPatch): Undoes the change after the test.
+    """
+    if module is not None and hasattr(module, "HAVE_APEX_OR_TE"):
+        monkeypatch.setattr(module, "HAVE_APEX_OR_TE", False)

@@ -47,6 +47,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 IMPLEMENTATIONS = [fork] + ([UPSTREAM] if UPSTREAM is not None else [])
 
 
+@pytest.fixture(autouse=True)
+def upstream_as_with_torch_adam(monkeypatch):
+    """The inner optimizer here is torch AdamW: upstream runs as where it would build one."""
+    distrib_optimizer_upstream.as_with_torch_adam(UPSTREAM, monkeypatch)
+
+
 # --------------------------------------------------------------------------------------------
 # CPU stand-ins and builders
 # --------------------------------------------------------------------------------------------

@@ -65,6 +65,12 @@ UPSTREAM = distrib_optimizer_upstream.load()
 needs_upstream = pytest.mark.skipif(UPSTREAM is None, reason="upstream's module is not available")
 
 
+@pytest.fixture(autouse=True)
+def upstream_as_with_torch_adam(monkeypatch):
+    """The inner optimizer here is torch AdamW: upstream runs as where it would build one."""
+    distrib_optimizer_upstream.as_with_torch_adam(UPSTREAM, monkeypatch)
+
+
 def upstream_method(name):
     """Upstream's method ``name`` as stored in the class (descriptors kept)."""
     return UPSTREAM.DistributedOptimizer.__dict__[name]
