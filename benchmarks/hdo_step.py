@@ -221,6 +221,25 @@ def main():
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
+    columns = [
+        ("fraction", 8, lambda r: f"{r['fraction']}"),
+        ("overlap", 7, lambda r: str(r["overlap"])),
+        ("implementation", 16, lambda r: r["implementation"]),
+        ("step s", 8, lambda r: f"{r['step_s']:.3f}"),
+        ("floor s", 8, lambda r: f"{r['floor_s']:.3f}"),
+        ("ratio", 6, lambda r: f"{r['ratio']:.2f}"),
+        ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
+        ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
+        ("adam s", 7, lambda r: f"{r['floor']['adam']:.3f}"),
+        ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
+        ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
+        ("d2h GB/s", 8, lambda r: f"{r['floor'].get('d2h_gbps', 0):.1f}"),
+        ("h2d GB/s", 8, lambda r: f"{r['floor'].get('h2d_gbps', 0):.1f}"),
+        ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
+    ]
+    print("\n" + " ".join(f"{name:>{width}}" for name, width, _ in columns), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"hdo_step_{device}.json")
     rows = []
     for fraction in args.fractions:
         floor = measure_floor(args, device, fraction)
@@ -243,29 +262,11 @@ def main():
                         "params_equal_across_implementations": exact,
                     }
                 )
-    columns = [
-        ("fraction", 8, lambda r: f"{r['fraction']}"),
-        ("overlap", 7, lambda r: str(r["overlap"])),
-        ("implementation", 16, lambda r: r["implementation"]),
-        ("step s", 8, lambda r: f"{r['step_s']:.3f}"),
-        ("floor s", 8, lambda r: f"{r['floor_s']:.3f}"),
-        ("ratio", 6, lambda r: f"{r['ratio']:.2f}"),
-        ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
-        ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
-        ("adam s", 7, lambda r: f"{r['floor']['adam']:.3f}"),
-        ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
-        ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
-        ("d2h GB/s", 8, lambda r: f"{r['floor'].get('d2h_gbps', 0):.1f}"),
-        ("h2d GB/s", 8, lambda r: f"{r['floor'].get('h2d_gbps', 0):.1f}"),
-        ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
-    ]
-    print("\n" + " ".join(f"{name:>{width}}" for name, width, _ in columns))
-    for row in rows:
-        print(" ".join(f"{cell(row):>{width}}" for _, width, cell in columns))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"hdo_step_{device}.json")
-    with open(path, "w", encoding="utf-8") as out:
-        json.dump({"device": label, "args": vars(args), "rows": rows}, out, indent=1)
+                # Each row as soon as it is known, so a run cut short keeps what it measured.
+                print(" ".join(f"{cell(rows[-1]):>{width}}" for _, width, cell in columns))
+            sys.stdout.flush()
+            with open(path, "w", encoding="utf-8") as out:
+                json.dump({"device": label, "args": vars(args), "rows": rows}, out, indent=1)
     print(
         "\nfloor = fused host AdamW + bf16 D2H + bf16 H2D for the offloaded tensors; pinned = "
         "pinned host memory the process holds after the timed steps (one process per row, "
