@@ -874,8 +874,8 @@ def _log_tail(path, lines=3):
 def _load_until_done(job, nproc, timeout, code):
     """Start a load job again after it died, from the case after the one it died in.
 
-    That case keeps an error naming the exit code and the log's last error lines, each rank's
-    part gets it, so the next start skips it. Stops when the job exits cleanly, or when a
+    That case gets an error naming the exit code and the log's last error lines in each rank's
+    part that has no result for it yet, so the next start skips it. Stops when the job exits cleanly, or when a
     start names no case or the same case as before (nothing left to skip).
 
     Args:
@@ -904,7 +904,8 @@ def _load_until_done(job, nproc, timeout, code):
         for index in range(nproc):
             part = _rank_file(out, index)
             results = json.loads(part.read_text(encoding="utf-8")) if part.exists() else {}
-            results[key] = {"error": error}
+            # A case whose result was written died in the clean-up after it: keep the result.
+            results.setdefault(key, {"error": error})
             _write_json(part, results)
         attempt += 1
         log = Path(f"{job[3]}.restart{attempt}")

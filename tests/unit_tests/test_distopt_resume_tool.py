@@ -83,9 +83,11 @@ class _Died(BaseException):
     """Stands for a CUDA error that ends the process: no ``except Exception`` stops it."""
 
 
-def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_path):
+@pytest.mark.parametrize("dies", ["in_the_case", "after_its_result"])
+def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_path, dies):
     """Every case but the one that killed the job gets its result, and that one an error
-    naming the exit code and the log's cause; a case is run once."""
+    naming the exit code and the log's cause (or its own result, when the job died in the
+    clean-up after it); a case is run once."""
     names = ["bf16-off0-legacy", "bf16-off0.5-legacy", "bf16-off0-dp_reshardable"]
     root = tmp_path / "saved_by_upstream"
     root.mkdir()
@@ -98,8 +100,15 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
     def load_one(case, folder, args, rank, manifest):  # pylint: disable=unused-argument
         runs.append(case.name)
         if case.key(1, "upstream", "upstream") == killer:
-            raise _Died()
+            if dies == "in_the_case":
+                raise _Died()
+            return {"error": "RuntimeError: CUDA error", "params_exact": False}
         return {"error": None, "params_exact": True, "state_exact": True}
+
+    def release():
+        if dies == "after_its_result" and runs[-1] == names[1] and runs.count(names[1]) == 1:
+            runs.append("released")  # die once, in the clean-up after the killer's result
+            raise _Died()
 
     class Rank:
         rank, world = 0, 1
@@ -119,16 +128,18 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
         return 0
 
     monkeypatch.setattr(tool, "load_one", load_one)
-    monkeypatch.setattr(tool, "_release", lambda: None)  # no CUDA here
+    monkeypatch.setattr(tool, "_release", release)  # no CUDA here
     monkeypatch.setattr(tool, "_launch", launch)
     out = tmp_path / "loaded_by_upstream.json"
     job = ("load", "upstream", ["--out", str(out)], tmp_path / "load.log")
     assert launch(*job[:2], 1, job[2], job[3], 60) == 1
     assert tool._load_until_done(job, 1, 60, 1) == 0  # pylint: disable=protected-access
-    assert runs == [names[0], names[1], names[2]]
+    assert [name for name in runs if name != "released"] == names
     results = tool.json.loads(out.read_text(encoding="utf-8"))
     assert sorted(results) == sorted(
         tool.Case.parse(name).key(1, "upstream", "upstream") for name in names
     )
-    assert "died in this case (exit 1): RuntimeError: CUDA error" in results[killer]["error"]
+    expected = {"in_the_case": "died in this case (exit 1): RuntimeError: CUDA error"}
+    assert expected.get(dies, "RuntimeError: CUDA error") in results[killer]["error"]
+    assert ("died" in results[killer]["error"]) == (dies == "in_the_case")
     assert all(results[key]["exact"] for key in results if key != killer)
