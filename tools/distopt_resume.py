@@ -875,8 +875,8 @@ def _load_until_done(job, nproc, timeout, code):
     """Start a load job again after it died, from the case after the one it died in.
 
     That case gets an error naming the exit code and the log's last error lines in each rank's
-    part that has no result for it yet, so the next start skips it. Stops when the job exits cleanly, or when a
-    start names no case or the same case as before (nothing left to skip).
+    part that has no result for it yet, so the next start skips it. Stops when the job exits
+    cleanly, or when a start names no case or the same case as before (nothing left to skip).
 
     Args:
         job: ``(role, implementation, extra, log)`` as for :func:`_launch`; ``extra`` holds
