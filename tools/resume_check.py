@@ -9,12 +9,21 @@ the same steps. It prints, side by side: whether the resumed parameters are bit-
 pinned host memory at cold start and after the load, peak accelerator memory during the
 load, and the load time; and it plots memory over the phases to a PNG.
 
+Where CUDA exists it then resumes a DDP + DistributedOptimizer run (offload off and on, a
+torch.save and a dist-checkpoint format), upstream beside the fork, with the same figures
+per case (tools/distopt_resume.py under torchrun; world size = visible GPUs, at most 2).
+Where Transformer Engine imports it adds TE FusedAdam with fp32 moments and the
+precision-aware optimizer (bf16 moments, fp32 master weights, with and without
+store_param_remainders) on the dist-checkpoint format, whose load figures cover both passes
+(the ``is_loading`` sharded state dict and the load); without TE it says so and measures none.
+
 On a host without CUDA the fork runs on the CPU (its offloaded share on plain host
 copies); upstream's column shows why it cannot run there.
 """
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,10 +35,15 @@ import traceback
 import torch
 
 from megatron_optimizer_fork import load_upstream_module
+from megatron_optimizer_fork.memory import pinned_bytes_held
 
 # Megatron without TE/Apex uses torch AdamW on both halves; "adam" gives the in-place half
 # another class, which upstream needs because it places loaded state by class.
 GPU_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+# A torch.save format and a dist-checkpoint format Megatron-LM writes by default.
+DISTRIBUTED_FORMATS = ["legacy", "dp_reshardable"]
+# Inner-optimizer variants of tools/distopt_resume.py measured only on TE FusedAdam.
+TE_VARIANTS = ["fused_adam", "precision_aware", "precision_aware_remainders"]
 PHASES = [
     "cold start",
     "trained",
@@ -65,11 +79,11 @@ class Memory:
     def __init__(self, device):
         self.cuda = device == "cuda"
 
-    def pinned(self):
-        """Bytes of pinned host memory in use (0 where there is no CUDA)."""
-        if not self.cuda:
-            return 0
-        return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+    @staticmethod
+    def pinned():
+        """Bytes of pinned host memory this process holds, the allocator's cache included
+        (0 where there is no CUDA)."""
+        return pinned_bytes_held()
 
     def device(self):
         """Bytes allocated on the accelerator."""
@@ -287,6 +301,48 @@ def run_in_own_process(name, device):
             return json.load(result)
 
 
+def distributed_check(args, device):
+    """DDP + DistributedOptimizer resume, upstream 0.19.2 beside the fork, each resuming its own
+    checkpoint (``tools/distopt_resume.py`` under torchrun, one job per side).
+
+    Returns:
+        dict or None: the results by case id, or None where it cannot run here.
+    """
+    if args.distributed == "off":
+        return None
+    spec = importlib.util.spec_from_file_location(
+        "distopt_resume",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "distopt_resume.py"),
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    te_cases = tool.product(["bf16"], [0.0], ["dp_reshardable"], TE_VARIANTS)
+    missing = tool.te_unavailable(te_cases[0])
+    if missing:
+        print(f"\n{missing}; no TE FusedAdam or precision-aware figures are measured")
+    if device != "cuda":
+        print(
+            "\ndistributed optimizer: skipped, megatron-core's DDP buffers need a CUDA device "
+            "(this host has none); no figures are invented for it"
+        )
+        return None
+    cases = tool.product(["bf16"], sorted({0.0, args.offload_fraction}), DISTRIBUTED_FORMATS)
+    if not missing:
+        # A variant this TE cannot give (e.g. remainders on TE < 2.1) is listed as skipped.
+        cases += te_cases
+    nproc = min(torch.cuda.device_count(), 2)
+    print(
+        f"\ndistributed optimizer: DDP world size {nproc}, bf16, offload on and off"
+        + ("" if missing else f"; TE FusedAdam variants {', '.join(TE_VARIANTS)}")
+    )
+    # One job at a time: the load times of the two implementations are compared.
+    results = tool.drive(
+        cases, [("fork", "fork"), ("upstream", "upstream")], nproc, side_by_side=False
+    )
+    tool.report(results)
+    return results
+
+
 def main():
     """Parse arguments, run both implementations, report and plot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -299,6 +355,12 @@ def main():
     parser.add_argument("--offload-fraction", type=float, default=0.5)
     parser.add_argument("--gpu-optimizer", choices=sorted(GPU_OPTIMIZERS), default="adamw")
     parser.add_argument("--out", default="results")
+    parser.add_argument(
+        "--distributed",
+        choices=["auto", "off"],
+        default="auto",
+        help="also resume a DDP + DistributedOptimizer run (needs CUDA)",
+    )
     parser.add_argument("--implementation", choices=sorted(IMPLEMENTATIONS), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -320,7 +382,18 @@ def main():
     with open(os.path.join(args.out, f"resume_check_{tag}.json"), "w", encoding="utf-8") as out:
         json.dump({"device": device, "args": vars(args), "results": results}, out, indent=1)
     print(f"\nplot: {png}")
-    return 0 if results["fork"].get("exact") else 1
+    distributed = distributed_check(args, device)
+    if distributed is not None:
+        with open(
+            os.path.join(args.out, f"resume_check_distributed_{tag}.json"), "w", encoding="utf-8"
+        ) as out:
+            json.dump(distributed, out, indent=1, default=str)
+    fork_exact = all(
+        r.get("exact")
+        for k, r in (distributed or {}).items()
+        if "fork2fork" in k and not r.get("skipped")
+    )
+    return 0 if results["fork"].get("exact") and fork_exact else 1
 
 
 if __name__ == "__main__":

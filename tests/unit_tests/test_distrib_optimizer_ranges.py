@@ -7,21 +7,22 @@ on real ``_ParamAndGradBuffer`` objects built on the CPU. A few hand-worked exam
 invariants pin the arithmetic down independently of upstream.
 """
 
-import importlib.metadata
-import importlib.util
 import itertools
 import random
-import sys
-from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
 
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.distributed import param_and_grad_buffer as pgb
 from megatron.core.optimizer.param_layout import BufferKey, FullParamLayout, PerBufferParamLayout
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import distrib_optimizer_upstream
+    from buffer_doubles import FakeGroup, param_and_grad_buffers
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests import distrib_optimizer_upstream
+    from tests.unit_tests.buffer_doubles import FakeGroup, param_and_grad_buffers
 
 # The module is the fork's own; with the overlay switched off there is nothing to test.
 ranges = pytest.importorskip(
@@ -31,60 +32,11 @@ ranges = pytest.importorskip(
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
 RANGE_KEYS = ["gbuf_world", "gbuf_world_in_bucket", "gbuf_local", "param"]
-UPSTREAM_RELATIVE = "megatron/core/optimizer/distrib_optimizer.py"
-
-
-def _load_upstream_module():
-    """megatron-core 0.19.2's own ``distrib_optimizer`` module.
-
-    While the fork ships no ``distrib_optimizer.py``, the imported module is upstream's. Once
-    it does, upstream's file is loaded from the installed megatron-core under a private name.
-    When neither is possible (a vendored tree whose module is the fork's), the comparisons
-    are skipped rather than comparing the fork with itself.
-    """
-    # pylint: disable=import-outside-toplevel
-    import megatron.core.optimizer.distrib_optimizer as imported
-
-    try:
-        installed = Path(
-            importlib.metadata.distribution("megatron-core").locate_file(UPSTREAM_RELATIVE)
-        )
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
-    if installed is not None and installed.is_file():
-        if Path(imported.__file__).resolve() == installed.resolve():
-            return imported
-        name = "megatron.core.optimizer._upstream_distrib_optimizer_for_tests"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, installed)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        return sys.modules[name]
-    if getattr(imported, "Range", None) is ranges.Range:
-        return None
-    return imported
-
-
-UPSTREAM_MODULE = _load_upstream_module()
+UPSTREAM_MODULE = distrib_optimizer_upstream.load()
 needs_upstream = pytest.mark.skipif(
     UPSTREAM_MODULE is None, reason="upstream's distrib_optimizer module is not available"
 )
 Upstream = UPSTREAM_MODULE.DistributedOptimizer if UPSTREAM_MODULE is not None else None
-
-
-class FakeGroup:
-    """The two methods of a process group that the range code calls."""
-
-    def __init__(self, rank, size):
-        self.rank_value = rank
-        self.size_value = size
-
-    def rank(self):  # pylint: disable=missing-function-docstring
-        return self.rank_value
-
-    def size(self):  # pylint: disable=missing-function-docstring
-        return self.size_value
 
 
 def fake_buffer(param_index_map, bucket_bounds, rank, world_size, dtypes=None, shards=None):
@@ -657,37 +609,16 @@ def test_full_layout_groups_by_buffer_key():
 
 
 def real_buffers(params, layout, config, bucket_size):
-    """``_ParamAndGradBuffer`` objects on the CPU, one per buffer key of ``layout``.
-
-    Their CUDA allocations go to the CPU and their logging, which needs torch.distributed, is
-    silenced; everything the distributed optimizer reads is built by megatron-core itself.
-    """
+    """megatron-core's ``_ParamAndGradBuffer`` objects on the CPU, one per buffer key."""
     names = {param: f"param{index}" for index, param in enumerate(params)}
-    grouped = pgb.group_params_for_buffers(params, config.grad_reduce_in_fp32)
-    buffers = []
-    with (
-        mock.patch("torch.cuda.current_device", return_value="cpu"),
-        mock.patch.object(pgb, "log_on_each_pipeline_stage"),
-    ):
-        for key, (key_params, indices) in grouped.items():
-            group = FakeGroup(0, layout.layouts[key].num_optimizer_shards)
-            buffers.append(
-                pgb._ParamAndGradBuffer(  # pylint: disable=protected-access
-                    config,
-                    key.param_dtype,
-                    key.grad_dtype,
-                    [(param, names[param]) for param in key_params],
-                    group,
-                    bucket_size,
-                    names,
-                    1.0,
-                    indices,
-                    False,
-                    SimpleNamespace(tp=FakeGroup(0, 1), dp_cp=group),
-                    param_layout=layout.layouts[key],
-                )
-            )
-    return buffers
+    return param_and_grad_buffers(
+        params,
+        names,
+        layout,
+        config,
+        bucket_size,
+        lambda key: FakeGroup(0, layout.layouts[key].num_optimizer_shards),
+    )
 
 
 @needs_upstream

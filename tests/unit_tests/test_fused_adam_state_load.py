@@ -19,6 +19,7 @@ if os.environ.get("MEGATRON_OPTIMIZER_FORK", "").strip().lower() in ("0", "off",
 
 # pylint: disable=wrong-import-position
 from megatron.core.optimizer import fused_adam_state_load as fsl
+from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]
 
@@ -546,6 +547,36 @@ def test_resume_matches_uninterrupted_run(mode):
     train(resumed, resumed_params, 3, seed=4)
     for original, again in zip(params, resumed_params):
         assert torch.equal(original, again)
+
+
+def test_parameter_state_with_remainders_round_trips_through_the_inner_state_contract():
+    """Megatron's parameter-state path reads a bf16 parameter's master as FusedAdam keeps it
+    under ``store_param_remainders`` (int16, as upstream 0.19.2 saves it) and writes it back
+    the same way; resuming from what it wrote equals never stopping. An fp32 master for an
+    optimizer that keeps remainders is refused by name."""
+    _, kwargs, _, _, _ = MODES["remainders"]
+    params = make_params(torch.bfloat16)
+    run = make_optimizer(params, kwargs)
+    train(run, params, 3, seed=0)
+    source = InnerOptimizerState(run, precision_aware=True)
+    saved = [{k: v.clone() for k, v in source.read(p).items()} for p in params]
+    assert {t["param"].dtype for t in saved} == {torch.int16}
+
+    resumed_params = clone_params(params)
+    resumed = make_optimizer(resumed_params, kwargs)
+    resumed.load_state_dict(run.state_dict())  # groups and step, as the common state dict
+    target = InnerOptimizerState(resumed, precision_aware=True)
+    for param, tensors in zip(resumed_params, saved):
+        target.write(param, tensors)
+        assert torch.equal(resumed.state[param]["master_param"], tensors["param"])
+    train(run, params, 3, seed=4)
+    train(resumed, resumed_params, 3, seed=4)
+    for original, again in zip(params, resumed_params):
+        assert torch.equal(original, again)
+
+    wrong = dict(saved[0], param=saved[0]["param"].float())
+    with pytest.raises(ValueError, match="store_param_remainders"):
+        target.write(resumed_params[0], wrong)
 
 
 @pytest.mark.parametrize("mode", sorted(m for m in MODES if MODES[m][3] == "materialise"))

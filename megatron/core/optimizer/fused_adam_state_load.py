@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.core.optimizer.inner_optimizer_state import keeps_param_remainders
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed support
@@ -380,11 +382,7 @@ def _expected_names(optimizer: Any) -> frozenset:
 
 def _stores_remainders(optimizer: Any, param: torch.Tensor, name: str) -> bool:
     """Tells whether ``name`` of ``param`` is kept as the int16 remainders of a bf16 param."""
-    return (
-        bool(getattr(optimizer, "store_param_remainders", False))
-        and name == MASTER_NAME
-        and param.dtype == torch.bfloat16
-    )
+    return name == MASTER_NAME and keeps_param_remainders(optimizer, param)
 
 
 def _stored_dtype(optimizer: Any, param: torch.Tensor, name: str) -> torch.dtype:

@@ -59,6 +59,14 @@ def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
                     optimizer.state[param]["step"] = 0
 
 
+def keeps_param_remainders(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    """Whether ``optimizer`` keeps ``param``'s master weight as the int16 low bits that the bf16
+    parameter lacks (TE FusedAdam's ``store_param_remainders``) rather than as fp32."""
+    return bool(getattr(optimizer, "store_param_remainders", False)) and (
+        param.dtype == torch.bfloat16
+    )
+
+
 class InnerOptimizerState:
     """Reads and writes an inner optimizer's per-parameter state for checkpointing.
 
@@ -164,7 +172,7 @@ class InnerOptimizerState:
             raise KeyError(f"checkpointed parameter state lacks {missing}")
         if self.scaled:
             setter = self.optimizer.set_scaled_state
-            setter(param, MASTER, tensors["param"].to(torch.float32))
+            setter(param, MASTER, self._master_as_kept(param, tensors["param"]))
             for key in self.state_keys:
                 setter(param, key, tensors[key].to(torch.float32))
             return
@@ -175,6 +183,20 @@ class InnerOptimizerState:
             # Readers of the public parameter (norms, the next copy to the model) see the
             # loaded value too, not only the copy the optimizer steps.
             param.detach().copy_(live_tensors["param"].reshape(param.shape))
+
+    def _master_as_kept(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """``master`` in the form ``set_scaled_state`` takes: fp32, or the int16 remainders
+        that an optimizer with ``store_param_remainders`` keeps for a bf16 parameter (what
+        ``get_unscaled_state`` gave when the checkpoint was written)."""
+        if not keeps_param_remainders(self.optimizer, param):
+            return master.to(torch.float32)
+        if master.dtype != torch.int16:
+            raise ValueError(
+                f"the checkpoint holds {master.dtype} master weights for a bf16 parameter of "
+                f"shape {tuple(param.shape)}, but the optimizer keeps int16 remainders "
+                "(store_param_remainders): save and load with the same setting"
+            )
+        return master
 
     def step(self) -> Optional[int]:
         """The Adam step count, wherever the optimizer keeps it (None before any step)."""

@@ -1,0 +1,719 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Whole-world parameter-state files of the distributed optimizer.
+
+Each data-parallel rank owns one contiguous shard of every bucket. The formats here put the
+fp32 master value and optimizer state of those shards into a single ``torch.save`` file:
+
+* ``dp_zero`` (the "legacy" checkpoint format): every rank lays its shard of a bucket out
+  flat, rank 0 collects the shards and strips the padding at the end of each bucket, and one
+  world tensor per state key holds a whole buffer. Loading cuts the world tensors back into
+  shards, so the file loads under any data-parallel size. On disk::
+
+      {"buckets_coalesced": True,
+       gbuf_idx: {(param_dtype, grad_dtype): {"param": t, "exp_avg": t, ...,
+                                               "numel_unpadded": n}}, ...}
+
+  Files written before the buckets were coalesced key a buffer by ``torch.float32`` and hold
+  one tensor per old bucket; ``update_legacy_format=True`` reads those.
+* ``dp_reshardable``: each rank's shard state as it lies in memory (no copy), bucket by
+  bucket, with the bucket sizes it was cut with. Distributed checkpointing makes it
+  reshardable; as a plain per-rank dict it loads only under the layout it was saved with.
+
+The methods live in :class:`DistributedOptimizerParameterStateMixin`, which
+``DistributedOptimizer`` inherits; they keep megatron-core 0.19.2's names, signatures and file
+layouts, so files move freely between the fork and upstream.
+"""
+
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["DistributedOptimizerParameterStateMixin"]
+
+BUCKETS_COALESCED = "buckets_coalesced"
+NUMEL_UNPADDED = "numel_unpadded"
+PER_BUCKET_NUMEL = "per_bucket_numel"
+PER_BUCKET_NUMEL_UNPADDED = "per_bucket_numel_unpadded"
+LEGACY_BUFFER_KEY = torch.float32
+"""Key of each buffer's entry in a file written before buckets were coalesced."""
+
+
+def _collective_device(group: torch.distributed.ProcessGroup) -> torch.device:
+    """Where tensors must live to travel over ``group`` (NCCL only moves GPU memory)."""
+    if str(torch.distributed.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_PORTABLE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, FileNotFoundError)
+
+
+def _raise_on_every_rank(
+    problem: Optional[BaseException], group: torch.distributed.ProcessGroup, device: torch.device
+) -> None:
+    """Raise rank 0's verdict on every rank of ``group``.
+
+    Only rank 0 holds the file, so only it can find fault with it; the other ranks would
+    otherwise wait forever in the scatter that rank 0 never joins.
+    """
+    if group.size() > 1:
+        # Any exception may reach rank 0 (from torch.load, say); the others get a plain copy
+        # that surely pickles.
+        portable = problem
+        if problem is not None and type(problem) not in _PORTABLE_ERRORS:
+            portable = RuntimeError(f"{type(problem).__name__}: {problem}")
+        elif problem is not None:
+            portable = type(problem)(*problem.args)
+        verdict = [portable]
+        torch.distributed.broadcast_object_list(
+            verdict,
+            src=torch.distributed.get_global_rank(group, 0),
+            group=group,
+            device=device if device.type == "cuda" else None,
+        )
+        if problem is None:
+            problem = verdict[0]
+    if problem is not None:
+        raise problem
+
+
+def _shard_views(
+    bucket_state: torch.Tensor, padded_numel: int, world_size: int, device: torch.device
+) -> List[torch.Tensor]:
+    """Cut one bucket's unpadded world tensor into the ``world_size`` equal shards of the
+    padded bucket; only shards reaching into the end padding are copied (and zero-filled)."""
+    shard_numel = padded_numel // world_size
+    unpadded_numel = bucket_state.numel()
+    shards = []
+    for first in range(0, padded_numel, shard_numel):
+        last = first + shard_numel
+        if last <= unpadded_numel:
+            shard = bucket_state[first:last]
+        else:
+            shard = torch.zeros(shard_numel, dtype=torch.float32)
+            if first < unpadded_numel:
+                shard[: unpadded_numel - first].copy_(bucket_state[first:])
+        shards.append(shard.to(device=device, dtype=torch.float32))
+    return shards
+
+
+class DistributedOptimizerParameterStateMixin:
+    """``DistributedOptimizer``'s save and load of the ``dp_zero`` and ``dp_reshardable``
+    parameter-state formats.
+
+    The host class provides, under megatron-core's names: ``gbuf_ranges`` (one
+    ``{(param_dtype, grad_dtype): [bucket range map, ...]}`` per buffer), ``per_bucket_numel``
+    and ``per_bucket_numel_unpadded`` (same nesting, bucket sizes with and without the end
+    padding), ``buffers`` (read only to split a checkpoint for FP8 parameter buffers),
+    ``data_parallel_group`` and ``data_parallel_group_gloo`` (or None),
+    ``optimizer_state_keys``, ``_get_main_param_and_optimizer_states`` and
+    ``_set_main_param_and_optimizer_states`` (the only way state is read or written here),
+    ``_is_distopt_quantized_param``, ``is_stub_optimizer`` and ``inner_state`` (an
+    :class:`~megatron.core.optimizer.inner_optimizer_state.InnerOptimizerState`).
+
+    Every load checks the whole checkpoint against the model before it changes any state.
+    """
+
+    # ---------------------------------------------------------------- shared walkers
+
+    def _param_state_keys(self) -> Tuple[str, ...]:
+        """The per-element tensors every format stores: the master value, then the state."""
+        return ("param",) + tuple(self.optimizer_state_keys)
+
+    def _param_state_buffers(self):
+        """Yield ``(gbuf_idx, dtypes, bucket range maps)`` for every buffer."""
+        for gbuf_idx, by_dtype in enumerate(self.gbuf_ranges):
+            if len(by_dtype) != 1:
+                raise ValueError(
+                    f"buffer {gbuf_idx} mixes {len(by_dtype)} dtype pairs; parameter-state "
+                    "files support a single (param_dtype, grad_dtype) per buffer"
+                )
+            ((dtypes, bucket_maps),) = by_dtype.items()
+            yield gbuf_idx, dtypes, bucket_maps
+
+    def _bucket_numels(self, gbuf_idx: int, dtypes, world_size: int) -> List[Tuple[int, int]]:
+        """``(padded, unpadded)`` element counts of each bucket of a buffer."""
+        padded = self.per_bucket_numel[gbuf_idx][dtypes]
+        unpadded = self.per_bucket_numel_unpadded[gbuf_idx][dtypes]
+        for bucket_idx, (size, used) in enumerate(zip(padded, unpadded)):
+            if size % world_size or used > size:
+                raise ValueError(
+                    f"bucket {bucket_idx} of buffer {gbuf_idx} ({used} used of {size} elements) "
+                    f"cannot be cut into {world_size} data-parallel shards"
+                )
+        return list(zip(padded, unpadded))
+
+    def _param_state_group(self, use_gloo_comm: bool = True):
+        """The data-parallel group to move shards over, and the device they travel on.
+
+        The gloo group keeps the traffic in host memory; without one, the main (NCCL) group
+        is used and the shards pass through the GPU.
+        """
+        gloo = getattr(self, "data_parallel_group_gloo", None)
+        group = gloo if use_gloo_comm and gloo is not None else self.data_parallel_group
+        if group is None:
+            raise ValueError("the distributed optimizer has no data-parallel group")
+        return group, _collective_device(group)
+
+    def _begin_param_state_load(self) -> None:
+        """Give every parameter its state tensors, so a load can write into them in place."""
+        self.inner_state.materialise()
+
+    # ---------------------------------------------------------------- dp_reshardable
+
+    def get_parameter_state_dp_reshardable(self):
+        """This rank's shard state laid out by buffer and bucket, without copying it.
+
+        Returns:
+            dict: ``per_bucket_numel`` and ``per_bucket_numel_unpadded``, and for each
+            ``gbuf_idx`` a ``{dtypes: [[param entry, ...] per bucket]}``. A param entry holds
+            the live ``"param"`` and state tensors of one owned piece of a model parameter
+            plus ``"gbuf_local_start"``/``"gbuf_local_end"``, its place in the rank's shard.
+            The lists and entries are new, so callers may edit them.
+        """
+        state = {
+            PER_BUCKET_NUMEL: self.per_bucket_numel,
+            PER_BUCKET_NUMEL_UNPADDED: self.per_bucket_numel_unpadded,
+        }
+        for gbuf_idx, dtypes, bucket_maps in self._param_state_buffers():
+            per_bucket = []
+            for bucket_map in bucket_maps:
+                entries = []
+                for model_param, ranges in bucket_map["param_map"].items():
+                    entry = dict(self._get_main_param_and_optimizer_states(model_param))
+                    entry["gbuf_local_start"] = ranges["gbuf_local"].start
+                    entry["gbuf_local_end"] = ranges["gbuf_local"].end
+                    entries.append(entry)
+                per_bucket.append(entries)
+            state[gbuf_idx] = {dtypes: per_bucket}
+        return state
+
+    def load_parameter_state_from_dp_reshardable(self, state_dict):
+        """Write back the state of :meth:`get_parameter_state_dp_reshardable`.
+
+        Accepts both the plain per-rank dict and the dict distributed checkpointing loads for
+        ``sharded_param_state_dp_reshardable`` (whose entries are flagged ``"padding"``
+        where they fill gaps). A step counter carried by a plain dict is restored.
+
+        Raises:
+            ValueError: the checkpoint belongs to another model, or is a plain dict saved
+                under another data-parallel layout.
+            KeyError: an expected buffer, bucket or state tensor is missing.
+        """
+        writes, step = self._plan_dp_reshardable_load(state_dict)
+        self._begin_param_state_load()
+        with torch.no_grad():
+            for model_param, tensors in writes:
+                self._set_main_param_and_optimizer_states(model_param, tensors)
+        if step is not None:
+            self.inner_state.set_step(step)
+        self.inner_state.finish_load()
+
+    def _plan_dp_reshardable_load(self, state_dict):
+        """Match every saved entry with its parameter, checking everything first."""
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(
+                f"expected the dp_reshardable parameter state as a dict, got "
+                f"{type(state_dict).__name__} (is the checkpoint's param_state missing?)"
+            )
+        saved_unpadded = state_dict.get(PER_BUCKET_NUMEL_UNPADDED)
+        if saved_unpadded is not None and saved_unpadded != self.per_bucket_numel_unpadded:
+            raise ValueError(
+                f"the checkpoint is of another model: its buckets hold {saved_unpadded} "
+                f"elements, this run's {self.per_bucket_numel_unpadded}"
+            )
+        # A plain dict (entries still carry their shard positions) was not resharded by
+        # distributed checkpointing, so it fits only the bucket padding it was cut with.
+        plain = self._is_plain_dp_reshardable(state_dict)
+        saved_padded = state_dict.get(PER_BUCKET_NUMEL)
+        if plain and saved_padded is not None and saved_padded != self.per_bucket_numel:
+            raise ValueError(
+                f"a plain dp_reshardable parameter state loads only under the data-parallel "
+                f"size it was saved with: its padded bucket sizes are {saved_padded}, this "
+                f"run's {self.per_bucket_numel}. Save a dp_zero file or a distributed "
+                f"checkpoint to change the data-parallel size."
+            )
+        keys = self._param_state_keys()
+        writes, steps = [], set()
+        for gbuf_idx, dtypes, bucket_maps in self._param_state_buffers():
+            saved_buckets = self._saved_entry(state_dict, gbuf_idx, dtypes)
+            if len(saved_buckets) != len(bucket_maps):
+                raise ValueError(
+                    f"buffer {gbuf_idx} has {len(bucket_maps)} buckets but the checkpoint "
+                    f"{len(saved_buckets)}"
+                )
+            for bucket_idx, (bucket_map, saved) in enumerate(zip(bucket_maps, saved_buckets)):
+                entries = [entry for entry in saved if not entry.get("padding", False)]
+                where = f"bucket {bucket_idx} of buffer {gbuf_idx}"
+                if len(entries) != len(bucket_map["param_map"]):
+                    raise ValueError(
+                        f"{where} owns {len(bucket_map['param_map'])} parameter pieces but the "
+                        f"checkpoint has {len(entries)}"
+                        + (" (saved by another data-parallel rank?)" if plain else "")
+                    )
+                for entry, (model_param, ranges) in zip(entries, bucket_map["param_map"].items()):
+                    local = ranges["gbuf_local"]
+                    if plain:
+                        saved_place = (entry.get("gbuf_local_start"), entry.get("gbuf_local_end"))
+                        if saved_place != (local.start, local.end):
+                            raise ValueError(
+                                f"in {where} the checkpoint places a piece at {saved_place} "
+                                f"where this rank owns {(local.start, local.end)}: it was "
+                                f"saved under another data-parallel layout or rank"
+                            )
+                    writes.append(
+                        (model_param, self._saved_tensors(entry, keys, len(local), where))
+                    )
+                    # Entries handed back by distributed checkpointing carry the live step
+                    # tensor rather than a saved one; only a plain dict's step is trusted.
+                    if plain and entry.get("step") is not None:
+                        steps.add(int(entry["step"]))
+        if len(steps) > 1:
+            raise ValueError(f"the checkpoint's parameters disagree on the step: {sorted(steps)}")
+        return writes, (steps.pop() if steps else None)
+
+    @staticmethod
+    def _is_plain_dp_reshardable(state_dict) -> bool:
+        """Whether the entries still carry the ``gbuf_local_*`` positions they were saved
+        with (a :meth:`get_parameter_state_dp_reshardable` dict, not one that distributed
+        checkpointing handed back)."""
+        for key, per_dtype in state_dict.items():
+            if not isinstance(key, int) or not isinstance(per_dtype, Mapping):
+                continue
+            for buckets in per_dtype.values():
+                for bucket in buckets:
+                    for entry in bucket:
+                        return isinstance(entry, Mapping) and "gbuf_local_start" in entry
+        return False
+
+    @staticmethod
+    def _saved_entry(state_dict, gbuf_idx: int, dtypes):
+        """``state_dict[gbuf_idx][dtypes]``, or a KeyError that says what is there."""
+        per_dtype = state_dict.get(gbuf_idx)
+        if not isinstance(per_dtype, Mapping):
+            found = [key for key in state_dict if isinstance(key, int)]
+            raise KeyError(
+                f"the parameter state has no entry for buffer {gbuf_idx} (buffers present: "
+                f"{found}); is it a parameter-state checkpoint of this model?"
+            )
+        if dtypes not in per_dtype:
+            raise KeyError(
+                f"buffer {gbuf_idx} of the parameter state has no {dtypes} entry, only "
+                f"{list(per_dtype)}"
+            )
+        return per_dtype[dtypes]
+
+    @staticmethod
+    def _saved_tensors(entry, keys, numel: int, where: str) -> Dict[str, torch.Tensor]:
+        """The state tensors of one saved entry, checked to cover ``numel`` elements."""
+        missing = [key for key in keys if key not in entry]
+        if missing:
+            raise KeyError(f"a parameter's state in {where} lacks {missing}")
+        tensors = {}
+        for key in keys:
+            value = entry[key]
+            if not isinstance(value, torch.Tensor) or value.numel() != numel:
+                size = value.numel() if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(
+                    f"'{key}' of a parameter in {where} should have {numel} elements, the "
+                    f"checkpoint has {size}"
+                )
+            tensors[key] = value
+        return tensors
+
+    # ---------------------------------------------------------------- dp_zero: save
+
+    def get_parameter_state_dp_zero(
+        self,
+        use_gloo_comm: bool = True,
+        empty_data: bool = False,
+        return_on_all_ranks: bool = False,
+    ):
+        """Gather every rank's shard state into whole-buffer fp32 CPU tensors.
+
+        Args:
+            use_gloo_comm: move the shards over the gloo data-parallel group (when the
+                optimizer has one) rather than the main one.
+            empty_data: only allocate the world tensors (zero-filled), with no collective;
+                used to build a structure to load into.
+            return_on_all_ranks: all-gather, so every rank gets the world tensors.
+
+        Returns:
+            dict or None: the ``dp_zero`` state (see the module docstring) on data-parallel
+            rank 0, or on every rank with ``return_on_all_ranks``; None elsewhere.
+        """
+        group, device = self._param_state_group(use_gloo_comm)
+        rank, world_size = group.rank(), group.size()
+        keeps_result = rank == 0 or return_on_all_ranks
+        keys = self._param_state_keys()
+        state = {BUCKETS_COALESCED: True}
+        for gbuf_idx, dtypes, bucket_maps in self._param_state_buffers():
+            numels = self._bucket_numels(gbuf_idx, dtypes, world_size)
+            world_tensors = {}
+            if keeps_result:
+                total = sum(unpadded for _, unpadded in numels)
+                world_tensors = {key: torch.zeros(total, dtype=torch.float32) for key in keys}
+                world_tensors[NUMEL_UNPADDED] = total
+            if not empty_data:
+                offset = 0
+                for bucket_map, (padded, unpadded) in zip(bucket_maps, numels):
+                    shard = self._read_bucket_shard(bucket_map, keys, padded // world_size)
+                    for row, key in enumerate(keys):
+                        gathered = self._gather_shard(
+                            shard[row], group, device, return_on_all_ranks
+                        )
+                        if gathered is not None:
+                            world_tensors[key][offset : offset + unpadded].copy_(
+                                gathered[:unpadded]
+                            )
+                    offset += unpadded
+            state[gbuf_idx] = {dtypes: world_tensors}
+        return state if keeps_result else None
+
+    def _read_bucket_shard(self, bucket_map, keys, shard_numel: int) -> torch.Tensor:
+        """This rank's shard of one bucket as a ``(len(keys), shard_numel)`` fp32 CPU tensor;
+        the gaps no parameter covers stay zero."""
+        shard = torch.zeros((len(keys), shard_numel), dtype=torch.float32)
+        for model_param, ranges in bucket_map["param_map"].items():
+            tensors = self._get_main_param_and_optimizer_states(model_param)
+            local = ranges["gbuf_local"]
+            for row, key in enumerate(keys):
+                if key not in tensors:
+                    raise KeyError(
+                        f"the optimizer keeps no '{key}' state for a parameter; it must step "
+                        f"(or have its state materialised) before its state is saved"
+                    )
+                shard[row, local.start : local.end].copy_(tensors[key].detach().reshape(-1))
+        return shard
+
+    @staticmethod
+    def _gather_shard(shard, group, device, to_all: bool) -> Optional[torch.Tensor]:
+        """Concatenate one key's shard from every rank, on rank 0 (or every rank)."""
+        world_size = group.size()
+        keeps_result = to_all or group.rank() == 0
+        pieces = None
+        if keeps_result:
+            pieces = [torch.empty_like(shard, device=device) for _ in range(world_size)]
+        shard = shard.to(device)
+        if to_all:
+            torch.distributed.all_gather(pieces, shard, group=group)
+        else:
+            root = torch.distributed.get_global_rank(group, 0)
+            torch.distributed.gather(shard, pieces, dst=root, group=group)
+        return torch.cat(pieces).cpu() if keeps_result else None
+
+    def save_parameter_state(self, filename: str):
+        """Gather the parameter state and write it to ``filename`` from data-parallel rank 0.
+
+        Args:
+            filename (str): path of the file to write.
+        """
+        state_dict = self.get_parameter_state_dp_zero()
+        if self.data_parallel_group.rank() == 0:
+            torch.save(state_dict, filename)
+
+    # ---------------------------------------------------------------- dp_zero: load
+
+    def load_parameter_state(self, filename: str, *, update_legacy_format=False):
+        """Read a ``dp_zero`` file on data-parallel rank 0 and scatter it to every rank.
+
+        Args:
+            filename (str): path of a file written by :meth:`save_parameter_state`.
+            update_legacy_format (bool): the file predates coalesced buckets.
+        """
+        if getattr(self, "is_stub_optimizer", False):
+            return
+        state_dict, problem = None, None
+        if self.data_parallel_group.rank() == 0:
+            try:
+                state_dict = torch.load(filename, map_location="cpu", weights_only=True)
+            except Exception as error:  # pylint: disable=broad-exception-caught
+                problem = error
+        self._scatter_dp_zero_state(state_dict, update_legacy_format, problem)
+
+    def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format=False):
+        """Scatter a ``dp_zero`` state held by data-parallel rank 0 into every rank's shards.
+
+        The inverse of :meth:`get_parameter_state_dp_zero`: each bucket's world tensors are
+        padded back to the bucket size, cut into equal shards, and each rank writes its shard
+        into its parameters' state. Ranks other than 0 pass None.
+
+        Args:
+            state_dict: the loaded file on rank 0.
+            update_legacy_format (bool): read the pre-coalescing format
+                (:meth:`load_parameter_state_from_dp_zero_legacy`).
+
+        Raises:
+            ValueError: the state belongs to another model (sizes differ).
+            KeyError: a buffer, dtype entry or state tensor is missing.
+        """
+        self._scatter_dp_zero_state(state_dict, update_legacy_format)
+
+    def load_parameter_state_from_dp_zero_legacy(self, state_dict):
+        """Scatter a ``dp_zero`` state written before buckets were coalesced.
+
+        Such files key each buffer by ``torch.float32`` and keep a list of per-bucket tensors
+        cut at the old bucket boundaries; they are re-cut at this run's boundaries
+        (:meth:`_update_legacy_world_tensors`), which needs the same total size.
+        """
+        self._scatter_dp_zero_state(state_dict, True)
+
+    @classmethod
+    def _update_legacy_world_tensors(cls, old_tensors, new_numels):
+        """Re-cut a buffer's per-bucket tensors at new bucket sizes of the same total.
+
+        Args:
+            old_tensors: the tensors of the old buckets, in order.
+            new_numels: element count of each new bucket.
+
+        Returns:
+            list[torch.Tensor]: one tensor per new bucket (views of one concatenation).
+
+        Raises:
+            ValueError: if the totals differ.
+        """
+        old_total = sum(tensor.numel() for tensor in old_tensors)
+        new_total = sum(new_numels)
+        if old_total != new_total or not old_tensors:
+            raise ValueError(
+                f"cannot re-cut {old_total} checkpointed elements into buckets of {new_total}"
+            )
+        joined = torch.cat([tensor.reshape(-1) for tensor in old_tensors])
+        return list(joined.split(list(new_numels)))
+
+    @torch.no_grad()
+    def _scatter_dp_zero_state(self, state_dict, legacy: bool, problem=None) -> None:
+        """Check the file on rank 0, agree on the verdict, then scatter bucket by bucket."""
+        group, device = self._param_state_group()
+        is_root = group.rank() == 0
+        per_bucket = None
+        if is_root and problem is None:
+            try:
+                per_bucket = self._dp_zero_bucket_states(state_dict, legacy)
+            except Exception as error:  # pylint: disable=broad-exception-caught
+                problem = error
+        _raise_on_every_rank(problem if is_root else None, group, device)
+
+        self._begin_param_state_load()
+        keys = self._param_state_keys()
+        for gbuf_idx, dtypes, bucket_maps in self._param_state_buffers():
+            numels = self._bucket_numels(gbuf_idx, dtypes, group.size())
+            for bucket_idx, (bucket_map, (padded, _)) in enumerate(zip(bucket_maps, numels)):
+                bucket_state = per_bucket[gbuf_idx][bucket_idx] if is_root else None
+                received = {
+                    key: self._scatter_shard(
+                        bucket_state[key] if is_root else None, padded, group, device
+                    )
+                    for key in keys
+                }
+                for model_param, ranges in bucket_map["param_map"].items():
+                    local = ranges["gbuf_local"]
+                    self._set_main_param_and_optimizer_states(
+                        model_param,
+                        {key: shard[local.start : local.end] for key, shard in received.items()},
+                    )
+        self.inner_state.finish_load()
+
+    @staticmethod
+    def _scatter_shard(bucket_state, padded_numel: int, group, device) -> torch.Tensor:
+        """Rank 0 sends each rank its shard of one bucket's world tensor; returns this rank's."""
+        world_size = group.size()
+        shard = torch.empty(padded_numel // world_size, dtype=torch.float32, device=device)
+        shards = None
+        if bucket_state is not None:
+            shards = _shard_views(bucket_state, padded_numel, world_size, device)
+        root = torch.distributed.get_global_rank(group, 0)
+        torch.distributed.scatter(shard, shards, src=root, group=group)
+        return shard
+
+    def _dp_zero_bucket_states(self, state_dict, legacy: bool):
+        """Check a ``dp_zero`` state against the model and cut it into per-bucket views.
+
+        Returns:
+            dict: ``{gbuf_idx: [{key: unpadded bucket tensor}, ...]}`` in bucket order.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise ValueError(
+                f"expected the dp_zero parameter state as a dict on data-parallel rank 0, got "
+                f"{type(state_dict).__name__} (is the checkpoint's param_state missing?)"
+            )
+        if "param_state" in state_dict:
+            raise KeyError(
+                "this is a whole optimizer state dict; load its 'param_state' entry instead"
+            )
+        if not legacy:
+            # Rearranges the file only when FP8 parameters sit in buffers of their own.
+            self.split_state_dict_if_needed(state_dict)
+            self._refuse_extra_buffers(state_dict)
+        keys = self._param_state_keys()
+        hint = ""
+        if not legacy and BUCKETS_COALESCED not in state_dict:
+            hint = " (the file predates coalesced buckets: load it with update_legacy_format=True)"
+        per_bucket = {}
+        for gbuf_idx, dtypes, _ in self._param_state_buffers():
+            unpadded = [used for _, used in self._bucket_numels(gbuf_idx, dtypes, 1)]
+            total = sum(unpadded)
+            try:
+                entry = self._saved_entry(
+                    state_dict, gbuf_idx, LEGACY_BUFFER_KEY if legacy else dtypes
+                )
+            except KeyError as error:
+                raise KeyError(f"{error.args[0]}{hint}") from None
+            missing = [key for key in keys if key not in entry]
+            if missing:
+                raise KeyError(f"buffer {gbuf_idx} of the parameter state lacks {missing}{hint}")
+            if legacy:
+                per_bucket[gbuf_idx] = self._legacy_bucket_states(entry, keys, unpadded, gbuf_idx)
+                continue
+            saved_total = entry.get(NUMEL_UNPADDED)
+            if saved_total != total:
+                raise ValueError(
+                    f"the checkpoint is of another model: buffer {gbuf_idx} holds {total} "
+                    f"elements in this run and {saved_total} in the checkpoint"
+                )
+            for key in keys:
+                if not isinstance(entry[key], torch.Tensor) or entry[key].numel() != total:
+                    raise ValueError(
+                        f"'{key}' of buffer {gbuf_idx} should be a tensor of {total} elements"
+                    )
+            cuts = [entry[key].reshape(-1).split(unpadded) for key in keys]
+            per_bucket[gbuf_idx] = [dict(zip(keys, bucket)) for bucket in zip(*cuts)]
+        return per_bucket
+
+    def _refuse_extra_buffers(self, state_dict) -> None:
+        """A file with more buffers than the model was written for another model."""
+        extra = [key for key in state_dict if isinstance(key, int) and key >= len(self.gbuf_ranges)]
+        if extra:
+            raise ValueError(
+                f"the checkpoint is of another model: it holds buffers {sorted(extra)} beyond "
+                f"this run's {len(self.gbuf_ranges)}"
+            )
+
+    def _legacy_bucket_states(
+        self, entry, keys, unpadded: Sequence[int], gbuf_idx: int
+    ) -> List[Dict[str, torch.Tensor]]:
+        """Re-cut each key's old per-bucket tensors at this run's bucket sizes."""
+        cuts = []
+        for key in keys:
+            tensors = entry[key]
+            if not isinstance(tensors, (list, tuple)) or not all(
+                isinstance(tensor, torch.Tensor) for tensor in tensors
+            ):
+                raise ValueError(
+                    f"'{key}' of buffer {gbuf_idx} should be a list of per-bucket tensors in "
+                    f"the legacy format"
+                )
+            try:
+                cuts.append(self._update_legacy_world_tensors(tensors, unpadded))
+            except ValueError as error:
+                raise ValueError(
+                    f"the checkpoint is of another model: '{key}' of buffer {gbuf_idx}: {error}"
+                ) from None
+        return [dict(zip(keys, bucket)) for bucket in zip(*cuts)]
+
+    # ---------------------------------------------------------------- FP8 split
+
+    def split_state_dict_if_needed(self, state_dict):
+        """Rearrange, in place, a ``dp_zero`` state saved without ``--fp8-param-gather`` for
+        a run with it.
+
+        Without FP8 parameter gather, weights and biases share one buffer; with it, FP8
+        weights get a buffer of their own (keyed ``(torch.uint8, grad_dtype)``) next to the
+        16-bit one. The shared buffer's world tensors are then split into the two: walking the
+        parameters from the highest index down (the order a buffer lays them out), each
+        parameter's elements go to the FP8 or the 16-bit tensor. Nothing happens when the run
+        has no FP8 buffer or the state is already split.
+        """
+        quantized = [
+            gbuf_idx
+            for gbuf_idx in range(len(self.gbuf_ranges))
+            if self._is_distopt_quantized_param(self.buffers[gbuf_idx].params[0])
+        ]
+        if not quantized:
+            return
+        saved_index = {}
+        for key, per_dtype in state_dict.items():
+            if key == BUCKETS_COALESCED:
+                continue
+            for dtypes in per_dtype:
+                if dtypes[0] == torch.uint8:
+                    return
+                if dtypes in saved_index:
+                    raise ValueError(
+                        f"the checkpoint holds two {dtypes} buffers; it cannot be split for FP8 "
+                        f"parameter buffers"
+                    )
+                saved_index[dtypes] = key
+
+        result = {BUCKETS_COALESCED: state_dict[BUCKETS_COALESCED]}
+        for gbuf_idx, dtypes, _ in self._param_state_buffers():
+            if gbuf_idx in quantized:
+                continue
+            if dtypes not in saved_index:
+                raise KeyError(f"the checkpoint has no {dtypes} buffer for buffer {gbuf_idx}")
+            result[gbuf_idx] = dict(state_dict[saved_index[dtypes]])
+
+        for fp8_idx in quantized:
+            fp8_buffer = self.buffers[fp8_idx]
+            # A quantized parameter reports its nominal 16-bit dtype, that of the buffer its
+            # elements were saved in.
+            shared_dtypes = (fp8_buffer.params[0].dtype, fp8_buffer.grad_dtype)
+            partners = [
+                gbuf_idx
+                for gbuf_idx, dtypes, _ in self._param_state_buffers()
+                if dtypes == shared_dtypes
+            ]
+            if not partners:
+                raise ValueError(
+                    f"no {shared_dtypes} buffer to split FP8 buffer {fp8_idx}'s state from"
+                )
+            shared_idx = partners[-1]
+            pieces = self._fp8_split_order(fp8_buffer, self.buffers[shared_idx])
+            fp8_state, shared_state = self._split_world_tensors(
+                result[shared_idx][shared_dtypes], pieces, fp8_idx
+            )
+            result[fp8_idx] = {(torch.uint8, fp8_buffer.grad_dtype): fp8_state}
+            result[shared_idx][shared_dtypes] = shared_state
+
+        state_dict.clear()
+        state_dict.update(result)
+
+    @staticmethod
+    def _fp8_split_order(fp8_buffer, shared_buffer) -> List[Tuple[bool, int]]:
+        """``(is_fp8, numel)`` of every parameter, from the highest parameter index down.
+
+        Each buffer lists its parameters in increasing ``param_indices`` order, and together
+        the two buffers must hold every index from 0 up exactly once.
+        """
+        by_index = {}
+        for is_fp8, buffer in ((True, fp8_buffer), (False, shared_buffer)):
+            for index, param in zip(sorted(buffer.param_indices), buffer.params):
+                if index in by_index:
+                    raise ValueError(f"parameter index {index} is in both FP8 split buffers")
+                by_index[index] = (is_fp8, param.nelement())
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ValueError("the FP8 split buffers' parameter indices are not 0..n-1")
+        return [by_index[index] for index in sorted(by_index, reverse=True)]
+
+    def _split_world_tensors(self, shared_entry, pieces, fp8_idx: int):
+        """Split each key's world tensor into its FP8 and 16-bit elements."""
+        fp8_state, shared_state = {}, {}
+        needed = sum(numel for _, numel in pieces)
+        for key in self._param_state_keys():
+            whole = shared_entry[key]
+            if whole.numel() < needed:
+                raise ValueError(
+                    f"'{key}' has {whole.numel()} elements, too few for the {needed} of the "
+                    f"parameters split into FP8 buffer {fp8_idx}"
+                )
+            parts = {True: [], False: []}
+            offset = 0
+            for is_fp8, numel in pieces:
+                parts[is_fp8].append(whole[offset : offset + numel])
+                offset += numel
+            for target, is_fp8 in ((fp8_state, True), (shared_state, False)):
+                chosen = parts[is_fp8]
+                target[key] = torch.cat(chosen) if chosen else whole.new_empty(0)
+        fp8_state[NUMEL_UNPADDED] = sum(numel for is_fp8, numel in pieces if is_fp8)
+        shared_state[NUMEL_UNPADDED] = sum(numel for is_fp8, numel in pieces if not is_fp8)
+        return fp8_state, shared_state

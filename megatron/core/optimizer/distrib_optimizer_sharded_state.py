@@ -1,0 +1,805 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Distributed-checkpointing (``dist_checkpointing``) support of the distributed optimizer.
+
+:class:`DistributedOptimizerShardedStateMixin` gives ``DistributedOptimizer`` its
+``sharded_state_dict`` and the loaders that undo it. The checkpoint layouts are those of
+megatron-core 0.19.2, so either implementation loads what the other saved. One format is picked
+by ``metadata["distrib_optim_sharding_type"]``:
+
+``fully_sharded_model_space`` (the default)
+    every locally owned piece of a parameter becomes a flattened slice (``flattened_range``) of
+    a tensor shaped like the model parameter; the data are the live optimizer tensors, so a
+    load lands in them directly.
+``fully_reshardable``
+    the state is gathered over data-parallel ranks and cut into whole tensors shaped like the
+    model parameters (``optimizer.state.<key>.<model key>``); a load reads whole tensors into
+    scratch tensors and keeps the locally owned slices.
+``dp_reshardable``
+    one checkpoint tensor per bucket and state key, the pieces of which are this rank's
+    parameter slices plus padding; only the data-parallel size may change between save and load.
+``dp_zero_gather_scatter``
+    the whole gathered state as one object saved by data-parallel rank 0 (deprecated).
+``fsdp_dtensor``
+    Megatron-FSDP only: the inner optimizer's own state, keyed by parameter name.
+
+Compared with 0.19.2, ``fully_reshardable`` locates each parameter correctly in the gathered
+tensors when a buffer has several buckets (0.19.2 ignored the padding stripped at the end of
+every bucket and saved shifted or zero-filled state), optimizer state is created through
+``self.inner_state.materialise()`` instead of a training step, and the loaders check the whole
+checkpointed state before writing any of it.
+
+The host class supplies the attributes under upstream's names (``gbuf_ranges``, ``buffers``,
+``data_parallel_group``, ``data_parallel_group_idx``, ``distributed_optimizer_instance_id``,
+``ddp_config``, ``model_chunks``, ``optimizer``, ``state``, ``optimizer_state_keys``,
+``inner_state``) and the methods ``state_dict``, ``_get_main_param_and_optimizer_states``,
+``_set_main_param_and_optimizer_states``, ``get_parameter_state_dp_zero`` and
+``get_parameter_state_dp_reshardable``.
+"""
+
+import gc
+import logging
+from dataclasses import replace
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensorFactory,
+)
+from megatron.core.dist_checkpointing.optimizer import KEEP_VARS_HINT
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+from megatron.core.utils import log_single_rank
+
+logger = logging.getLogger(__name__)
+
+DP_RESHARDABLE = 'dp_reshardable'
+DP_ZERO_GATHER_SCATTER = 'dp_zero_gather_scatter'
+FULLY_RESHARDABLE = 'fully_reshardable'
+FULLY_SHARDED_MODEL_SPACE = 'fully_sharded_model_space'
+FSDP_DTENSOR = 'fsdp_dtensor'
+
+DEFAULT_SHARDING_TYPE = FULLY_SHARDED_MODEL_SPACE
+"""Format used when the metadata names none."""
+
+LOADABLE_SHARDING_TYPES = (
+    DP_ZERO_GATHER_SCATTER,
+    FULLY_RESHARDABLE,
+    DP_RESHARDABLE,
+    FULLY_SHARDED_MODEL_SPACE,
+)
+"""Values of ``param_state_sharding_type`` that ``load_state_dict`` accepts."""
+
+STATE_KEY_PREFIX = 'optimizer.state'
+MEM_EFFICIENT_FLAG = 'distrib_optim_fully_reshardable_mem_efficient'
+
+# Entries of a parameter's state that carry no per-element data. A torch Adam ``step`` is a
+# 0-dim tensor restored from the param groups, and the gathered tensors carry their length.
+_NOT_ELEMENTWISE = ('step', 'numel_unpadded')
+
+
+def _model_tensors_by_param(model_sharded_state_dict: ShardedStateDict) -> Dict[Any, Any]:
+    """Map each model tensor to the ShardedTensor (or factory) that checkpoints it."""
+    sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    return {item.data: item for item in nested_values(sharded)}
+
+
+def _model_metadata(by_param: Mapping[Any, Any], model_param: torch.Tensor):
+    """The model's sharded entry for ``model_param``, or a clear error naming the cure."""
+    if model_param not in by_param:
+        raise ValueError(
+            f"Model param {model_param} not in model_sharded_state_dict. Hint: {KEEP_VARS_HINT}"
+        )
+    return by_param[model_param]
+
+
+def _state_entry(model_entry, state_key: str, data: torch.Tensor, **changes):
+    """The checkpoint entry of one optimizer state tensor of a model parameter.
+
+    It copies the model's entry (global shape, offsets, axis fragmentation) and changes the key
+    to ``optimizer.state.<state_key>.<model key>`` and the data; factories keep no dtype.
+    """
+    changes.update(key=f'{STATE_KEY_PREFIX}.{state_key}.{model_entry.key}', data=data)
+    if not isinstance(model_entry, ShardedTensorFactory):
+        changes['dtype'] = data.dtype
+    entry = replace(model_entry, **changes)
+    entry.validate_metadata_integrity()
+    return entry
+
+
+def _coalesced_bucket_starts(buffer) -> List[int]:
+    """Where each bucket begins in a buffer's gathered (``dp_zero``) state tensors.
+
+    Those tensors hold each bucket's unpadded elements back to back: the padding at the end of
+    every bucket is dropped, so bucket ``b`` starts at the sum of the unpadded sizes before it.
+    """
+    starts, cursor = [], 0
+    for bucket in buffer.buckets:
+        starts.append(cursor)
+        cursor += bucket.numel_unpadded
+    return starts
+
+
+def _single_dtype(gbuf_range_map: Mapping) -> Any:
+    """The only ``(param_dtype, grad_dtype)`` key of a buffer's range map."""
+    if len(gbuf_range_map) != 1:
+        raise AssertionError("single dtype supported, for now.")
+    return next(iter(gbuf_range_map))
+
+
+def _checkpointed_tensors(entry: Any, expected: Tuple[str, ...], numel: int, where: str):
+    """Check one parameter's loaded state and name it the way the setter expects.
+
+    Args:
+        entry: the loaded ``{state key: tensor}`` of one parameter.
+        expected: state keys that must be present (``"param"`` for the fp32 master value).
+        numel: elements each tensor must hold.
+        where: the parameter's description, for error messages.
+
+    Returns:
+        dict: ``{"param": ..., <state key>: ...}``; ``fp32_param`` is renamed to ``param`` and
+        ``step`` dropped (it is restored with the param groups).
+    """
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"checkpointed optimizer state of {where} is missing or not a dict")
+    tensors = {}
+    for key, value in entry.items():
+        if key in _NOT_ELEMENTWISE:
+            continue
+        tensors['param' if key == 'fp32_param' else key] = value
+    missing = [key for key in expected if key not in tensors]
+    if missing:
+        raise ValueError(f"checkpointed optimizer state of {where} lacks {missing}")
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"checkpointed '{key}' of {where} is a {type(value).__name__}, not a tensor "
+                f"(was the sharded state dict loaded?)"
+            )
+        if value.numel() != numel:
+            raise ValueError(
+                f"checkpointed '{key}' of {where} has {value.numel()} elements, expected {numel}"
+            )
+    return tensors
+
+
+def _loaded_entry(state_dict: Any, index: int) -> Any:
+    """Entry ``index`` of a loaded model-space param state, None when it is absent."""
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(
+            f"the checkpointed param_state is a {type(state_dict).__name__}, expected a dict "
+            f"keyed by parameter index"
+        )
+    return state_dict.get(index)
+
+
+def _names_of_params(model_chunks) -> Dict[torch.Tensor, str]:
+    """Parameter -> name over all model chunks, expert indices made global.
+
+    Names must be unique across chunks, since checkpoints are keyed by them.
+    """
+    named = [dict(chunk.named_parameters()) for chunk in model_chunks]
+    by_name = {}
+    for chunk_params in named:
+        shared = set(by_name).intersection(chunk_params)
+        if shared:
+            raise ValueError(
+                f"Parameter names conflict between model chunks: {shared}. Model chunks "
+                "must not repeat a parameter name."
+            )
+        by_name.update(chunk_params)
+    num_experts = model_chunks[0].config.num_moe_experts if model_chunks else None
+    return {
+        param: name for name, param in handle_experts_in_state_dict(by_name, num_experts).items()
+    }
+
+
+class DistributedOptimizerShardedStateMixin:
+    """Sharded (``dist_checkpointing``) state dicts of ``DistributedOptimizer``.
+
+    See the module documentation for the formats and for what the host class must supply.
+    """
+
+    # Formats whose common state does not depend on the optimizer's internal buffer layout, so
+    # it is saved as plain values rather than per-data-parallel-group objects.
+    checkpoint_fully_reshardable_formats: set[str] = {
+        FULLY_RESHARDABLE,
+        FULLY_SHARDED_MODEL_SPACE,
+        FSDP_DTENSOR,
+    }
+
+    # ------------------------------------------------------------------------------------
+    # Helpers
+    # ------------------------------------------------------------------------------------
+
+    def _init_optimizer_states_with_dummy_values(self):
+        """Give every parameter its optimizer state so a checkpoint can be loaded into it.
+
+        The inner-optimizer contract creates the missing state without moving parameters or
+        step counters (an actual step with zero gradients would apply weight decay).
+        """
+        self.inner_state.materialise()
+
+    def _param_name(self, param: torch.nn.Parameter) -> str:
+        """The name of a model parameter, as the model chunks call it.
+
+        Expert parameters get their global expert index (see ``handle_experts_in_state_dict``).
+        The mapping is computed once and kept in ``self.param_to_name``.
+        """
+        if getattr(self, 'param_to_name', None) is None:
+            self.param_to_name = _names_of_params(self.model_chunks)
+        try:
+            return self.param_to_name[param]
+        except KeyError:
+            raise AssertionError(
+                f"Parameter {param} not found in param_to_name mapping. "
+            ) from None
+
+    def _dp_group_key(self, name: str) -> str:
+        """Checkpoint key of an object that differs between data-parallel groups."""
+        return f'optimizer.distributed.dp_group_idx_{self.data_parallel_group_idx}.{name}'
+
+    def _owned_param_ranges(self) -> Iterator[Tuple[torch.nn.Parameter, Dict[str, Any]]]:
+        """Locally owned ``(model param, range map)`` pairs, buffer by buffer, bucket by bucket.
+
+        This order numbers the ``fully_sharded_model_space`` entries.
+        """
+        for gbuf_range_map in self.gbuf_ranges:
+            for bucket_range_maps in gbuf_range_map.values():
+                for bucket_range_map in bucket_range_maps:
+                    yield from bucket_range_map["param_map"].items()
+
+    def _param_state_builder(self, sharding_type: str):
+        """The method building the param state of ``sharding_type``, or None if unknown."""
+        return {
+            DP_RESHARDABLE: self.sharded_param_state_dp_reshardable,
+            DP_ZERO_GATHER_SCATTER: self.sharded_param_state_dp_zero,
+            FULLY_RESHARDABLE: self.sharded_param_state_fully_reshardable,
+            FULLY_SHARDED_MODEL_SPACE: self.sharded_param_state_fs_model_space,
+        }.get(sharding_type)
+
+    # ------------------------------------------------------------------------------------
+    # Entry point
+    # ------------------------------------------------------------------------------------
+
+    def sharded_state_dict(
+        self,
+        model_sharded_state_dict: ShardedStateDict = {},  # never modified
+        is_loading: bool = False,
+        sharding_type: Optional[str] = None,
+        metadata: Optional[dict] = None,
+    ):
+        """The optimizer's sharded state dict in the format the metadata asks for.
+
+        Args:
+            model_sharded_state_dict: the model's sharded state dict, whose entries (made with
+                ``keep_vars=True``) give each parameter's checkpoint key and placement.
+            is_loading: build the dict to load into rather than to save. The optimizer state
+                is created first if it does not exist yet.
+            sharding_type: deprecated; use ``metadata["distrib_optim_sharding_type"]``.
+            metadata: ``distrib_optim_sharding_type`` picks the format (default
+                ``fully_sharded_model_space``); ``distrib_optim_fully_reshardable_mem_efficient``
+                tunes ``fully_reshardable``.
+
+        Returns:
+            dict: for ``fsdp_dtensor`` the dict of :meth:`sharded_param_state_fsdp_dtensor`;
+            otherwise the entries of ``state_dict()`` (wrapped in per-data-parallel-group
+            ``ShardedObject``s unless the format is fully reshardable) plus ``param_state`` and
+            ``param_state_sharding_type``.
+
+        Raises:
+            NotImplementedError: unknown format, or a format Megatron-FSDP cannot use; raised
+                before the optimizer is touched.
+        """
+        metadata = {} if metadata is None else metadata
+        if sharding_type is None:
+            sharding_type = metadata.get('distrib_optim_sharding_type', DEFAULT_SHARDING_TYPE)
+        else:
+            log_single_rank(
+                logger,
+                logging.WARNING,
+                'DistributedOptimizer.sharded_state_dict argument `sharding_type` is deprecated'
+                ' and will be removed; set `metadata["distrib_optim_sharding_type"]` instead.',
+            )
+
+        if self.ddp_config.use_megatron_fsdp and sharding_type != FSDP_DTENSOR:
+            raise NotImplementedError(
+                f"sharding_type {sharding_type} is not supported with Megatron FSDP."
+            )
+        if sharding_type == FSDP_DTENSOR:
+            return self.sharded_param_state_fsdp_dtensor(is_loading)
+
+        build_param_state = self._param_state_builder(sharding_type)
+        if build_param_state is None:
+            # 0.19.2 still recognised 'fully_sharded_bucket_space' by name but could not build
+            # it either; it fails here like any unknown name.
+            raise NotImplementedError(f'Unknown sharding_type: {sharding_type}')
+
+        if is_loading:
+            # The load writes into the optimizer's own tensors, which must exist by then.
+            self._init_optimizer_states_with_dummy_values()
+
+        common_state = self.state_dict()
+        if sharding_type not in self.checkpoint_fully_reshardable_formats:
+            # This state is tied to the data-parallel group's buffer layout.
+            replica_id = (
+                self.distributed_optimizer_instance_id,
+                0,
+                self.data_parallel_group.rank(),
+            )
+            common_state = {
+                key: ShardedObject(
+                    self._dp_group_key(key), value, (1,), (0,), replica_id=replica_id
+                )
+                for key, value in common_state.items()
+            }
+
+        param_state = build_param_state(model_sharded_state_dict, is_loading, metadata)
+        if sharding_type in (DP_ZERO_GATHER_SCATTER, FULLY_RESHARDABLE):
+            # The gathers leave large temporaries behind, and training may run with GC off.
+            gc.collect()
+
+        common_state['param_state'] = param_state
+        common_state['param_state_sharding_type'] = sharding_type
+        return common_state
+
+    def _check_param_state_for_load(self, state_dict: Mapping) -> None:
+        """Check a loaded optimizer state dict's ``param_state`` before anything is loaded.
+
+        ``load_state_dict`` calls this first, so that a checkpoint it cannot load fails before
+        param groups, grad scaler or optimizer state change. The formats loaded by this mixin
+        are checked entry by entry; the others only by name.
+
+        Raises:
+            ValueError: ``param_state`` without its ``param_state_sharding_type`` or the other
+                way round, or model-space state that does not fit this optimizer.
+            NotImplementedError: a sharding type nothing can load.
+        """
+        has_state = 'param_state' in state_dict
+        has_type = 'param_state_sharding_type' in state_dict
+        if has_state != has_type:
+            present, absent = (
+                ('param_state', 'param_state_sharding_type')
+                if has_state
+                else ('param_state_sharding_type', 'param_state')
+            )
+            raise ValueError(
+                f"the optimizer state dict has '{present}' but no '{absent}' "
+                f"(keys: {sorted(map(str, state_dict.keys()))})"
+            )
+        if not has_state:
+            return
+        sharding_type = state_dict['param_state_sharding_type']
+        if sharding_type not in LOADABLE_SHARDING_TYPES:
+            raise NotImplementedError(f'Unknown sharding_type: {sharding_type}')
+        if sharding_type == FULLY_RESHARDABLE:
+            self._fully_reshardable_load_plan(state_dict['param_state'])
+        elif sharding_type == FULLY_SHARDED_MODEL_SPACE:
+            self._fs_model_space_load_plan(state_dict['param_state'])
+
+    # ------------------------------------------------------------------------------------
+    # Megatron-FSDP
+    # ------------------------------------------------------------------------------------
+
+    def _param_groups_to_param2group_meta(
+        self, param_groups: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Map each parameter's name to its group's settings (the group less ``params``).
+
+        Parameters of one group share one settings dict.
+        """
+        pairs = []
+        for group in param_groups:
+            settings = {key: value for key, value in group.items() if key != "params"}
+            pairs.extend((self._param_name(param), settings) for param in group["params"])
+        return dict(pairs)
+
+    def _param2group_meta_to_param_groups(
+        self, param_to_group_meta: dict[str, Any], param_groups: list[dict[str, Any]], strict=True
+    ) -> list[dict[str, Any]]:
+        """Rebuild checkpointed param groups in the order of the current ``param_groups``.
+
+        Each current group becomes ``{"params": [names...], **settings}``, the settings being
+        those saved for its parameters, which must agree within a group.
+
+        Args:
+            param_to_group_meta: parameter name -> saved group settings.
+            param_groups: the optimizer's current groups (of parameters).
+            strict: raise on a parameter without saved settings or with settings differing
+                from the rest of its group; otherwise warn and leave that parameter out.
+
+        Raises:
+            ValueError: in strict mode, as described above.
+        """
+        rebuilt = []
+        for group in param_groups:
+            names, settings = [], {}
+            for name in map(self._param_name, group["params"]):
+                saved = param_to_group_meta.get(name)
+                if name not in param_to_group_meta:
+                    problem = f"Parameter {name} not found in param_to_group_meta mapping."
+                elif settings and settings != saved:
+                    # Settings collected so far must match; none collected matches anything.
+                    problem = (
+                        f"Parameter {name} was saved with group settings {saved}, but the "
+                        f"parameters {names} of the same current group were saved with "
+                        f"{settings}; the checkpoint's param groups do not match this "
+                        f"optimizer's."
+                    )
+                else:
+                    names.append(name)
+                    settings.update(saved)
+                    continue
+                if strict:
+                    raise ValueError(problem)
+                logger.warning(problem)
+            rebuilt.append({"params": names, **settings})
+        return rebuilt
+
+    def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+        """The inner optimizer's state and group settings keyed by parameter name.
+
+        With Megatron-FSDP the optimizer state is made of DTensors, which the checkpoint
+        handles directly.
+
+        Args:
+            is_loading: create the optimizer state first, for an in-place load.
+
+        Returns:
+            dict: ``{"state": {name: state}, "param_to_group_meta": {name: settings}}``.
+        """
+        if not self.ddp_config.use_megatron_fsdp:
+            raise AssertionError("fsdp_dtensor sharding type is only supported with Megatron FSDP.")
+        if is_loading:
+            self._init_optimizer_states_with_dummy_values()
+        param_to_group_meta = self._param_groups_to_param2group_meta(self.optimizer.param_groups)
+        state = {}
+        for key, value in self.state.items():
+            state[self._param_name(key) if isinstance(key, torch.Tensor) else key] = value
+        return {"state": state, "param_to_group_meta": param_to_group_meta}
+
+    # ------------------------------------------------------------------------------------
+    # dp_zero_gather_scatter (deprecated)
+    # ------------------------------------------------------------------------------------
+
+    def sharded_param_state_dp_zero(
+        self, model_sharded_state_dict, is_loading: bool = False, metadata: Optional[dict] = None
+    ):
+        """The gathered parameter state as one object, saved by data-parallel rank 0.
+
+        The layout is that of ``get_parameter_state_dp_zero`` and fixed to the current
+        tensor/pipeline parallelism. Loading reads it on rank 0 and relies on
+        ``load_parameter_state_from_dp_zero`` to scatter it.
+
+        Returns:
+            ShardedObject on rank 0 of the first optimizer instance (data None when loading),
+            else ``LocalNonpersistentObject(None)``.
+        """
+        del model_sharded_state_dict, metadata  # the layout does not depend on them
+        first_instance = self.distributed_optimizer_instance_id == 0
+        data = None
+        if first_instance and not is_loading:
+            # Every rank of the first instance takes part in the gather.
+            data = self.get_parameter_state_dp_zero(use_gloo_comm=False)
+        if first_instance and self.data_parallel_group.rank() == 0:
+            return ShardedObject(self._dp_group_key('param_state'), data, (1,), (0,))
+        return LocalNonpersistentObject(None)
+
+    # ------------------------------------------------------------------------------------
+    # fully_reshardable
+    # ------------------------------------------------------------------------------------
+
+    def sharded_param_state_fully_reshardable(
+        self, model_sharded_state_dict, is_loading: bool = False, metadata: Optional[dict] = None
+    ):
+        """Whole model-shaped state tensors per parameter, built from the gathered state.
+
+        Every parameter of every buffer gets ``"param"`` (fp32 master) and one tensor per
+        optimizer state key, each shaped like the model parameter and keyed
+        ``optimizer.state.<key>.<model key>`` with the model's placement and replica id.
+
+        Saving gathers the buffers' state (``get_parameter_state_dp_zero``) and slices it. Each
+        parameter is found in the gathered tensors relative to its bucket, which starts where
+        the unpadded sizes of the buckets before it add up to. Loading gathers nothing: every
+        rank asks for whole tensors, loaded into zero-filled CPU tensors, and
+        :meth:`load_parameter_state_from_fully_reshardable` keeps its own slices.
+
+        Args:
+            model_sharded_state_dict: the model's sharded state dict; parameters must not be
+                flattened.
+            is_loading: build the dict to load into.
+            metadata: ``distrib_optim_fully_reshardable_mem_efficient=True`` gathers with Gloo
+                onto data-parallel rank 0 only (other ranks then save nothing) instead of
+                all-gathering with NCCL. Both produce the same checkpoint content.
+
+        Returns:
+            dict or None: ``{param index: {key: ShardedTensor or factory}}``, parameters
+            numbered buffer by buffer in ``param_index_map`` order; None when saving in
+            memory-efficient mode on a rank other than data-parallel rank 0.
+        """
+        metadata = {} if metadata is None else metadata
+        by_param = _model_tensors_by_param(model_sharded_state_dict)
+        if is_loading:
+            gathered = None
+            state_keys = ('param',) + tuple(self.optimizer_state_keys)
+        else:
+            mem_efficient = bool(metadata.get(MEM_EFFICIENT_FLAG, False))
+            gathered = self.get_parameter_state_dp_zero(
+                use_gloo_comm=mem_efficient, empty_data=False, return_on_all_ranks=not mem_efficient
+            )
+            if gathered is None:
+                return None
+
+        state = {}
+        for gbuf_idx, gbuf_range_map in enumerate(self.gbuf_ranges):
+            dtype = _single_dtype(gbuf_range_map)
+            buffer = self.buffers[gbuf_idx]
+            if gathered is not None:
+                world_tensors = gathered[gbuf_idx][dtype]
+                state_keys = tuple(k for k in world_tensors if k not in _NOT_ELEMENTWISE)
+                bucket_starts = _coalesced_bucket_starts(buffer)
+            for model_param, (start, end, bucket_id) in buffer.param_index_map.items():
+                model_entry = _model_metadata(by_param, model_param)
+                if model_entry.flattened_range is not None:
+                    raise AssertionError(f"Flattened model tensor not supported ({model_entry})")
+                shape = model_entry.data.shape
+                if gathered is None:
+                    values = {k: torch.zeros(shape, dtype=torch.float32) for k in state_keys}
+                else:
+                    bucket = buffer.buckets[bucket_id]
+                    first = bucket_starts[bucket_id] + start - bucket.offset
+                    values = {}
+                    for key in state_keys:
+                        world = world_tensors[key]
+                        if first + end - start > world.numel():
+                            raise AssertionError(
+                                f"'{model_entry.key}' ends at element {first + end - start} "
+                                f"of the gathered '{key}' state, which has only {world.numel()}"
+                            )
+                        values[key] = world[first : first + end - start].reshape(shape)
+                state[len(state)] = {
+                    key: _state_entry(model_entry, key, value) for key, value in values.items()
+                }
+        return state
+
+    def _fully_reshardable_load_plan(self, state_dict: Any):
+        """Check a loaded ``fully_reshardable`` state and pick the locally owned slices.
+
+        Returns:
+            list: ``(model param, {"param": ..., <state key>: ...})`` for each owned piece, the
+            tensors being views of the loaded ones.
+        """
+        expected = ('param',) + tuple(self.optimizer_state_keys)
+        plan = []
+        index = -1
+        for gbuf_idx, gbuf_range_map in enumerate(self.gbuf_ranges):
+            dtype = _single_dtype(gbuf_range_map)
+            owned = {}
+            for bucket_range_map in gbuf_range_map[dtype]:
+                owned.update(bucket_range_map["param_map"])
+            # Entries are numbered over all of the buffer's parameters, owned or not.
+            for model_param, (start, end, _) in self.buffers[gbuf_idx].param_index_map.items():
+                index += 1
+                if model_param not in owned:
+                    continue
+                where = f"parameter {index} (shape {tuple(model_param.shape)})"
+                full = _checkpointed_tensors(
+                    _loaded_entry(state_dict, index), expected, end - start, where
+                )
+                piece = owned[model_param]["param"]
+                plan.append(
+                    (
+                        model_param,
+                        {k: v.reshape(-1)[piece.start : piece.end] for k, v in full.items()},
+                    )
+                )
+        return plan
+
+    @torch.no_grad()
+    def load_parameter_state_from_fully_reshardable(self, state_dict: dict):
+        """Load what :meth:`sharded_param_state_fully_reshardable` described.
+
+        Every entry is checked before the first is written; then each owned slice is copied
+        into the optimizer's existing tensors.
+
+        Args:
+            state_dict: the loaded ``param_state``: parameter index -> whole state tensors.
+        """
+        for model_param, tensors in self._fully_reshardable_load_plan(state_dict):
+            self._set_main_param_and_optimizer_states(model_param, tensors)
+        self.inner_state.finish_load()
+
+    # ------------------------------------------------------------------------------------
+    # dp_reshardable
+    # ------------------------------------------------------------------------------------
+
+    def sharded_param_state_dp_reshardable(
+        self, model_sharded_state_dict, is_loading: bool = False, metadata: Optional[dict] = None
+    ):
+        """The local state as pieces of one checkpoint tensor per bucket and state key.
+
+        ``get_parameter_state_dp_reshardable`` lists each bucket's owned parameter slices with
+        their place in the rank's shard. Gaps between (and around) them become padding pieces,
+        so that the pieces of all ranks cover the tensor, whose length is the bucket's unpadded
+        size: the padding past it depends on the data-parallel size and is left out. Keys are
+        ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_<d>.bucket_idx_<b>.<key>``.
+        Pieces are views of the live optimizer tensors, so a load needs no copy. No data is
+        exchanged; only the data-parallel size may change between save and load.
+
+        Returns:
+            dict: ``get_parameter_state_dp_reshardable``'s dict with ShardedTensors in place of
+            tensors, ``padding`` and ``step`` wrapped as local non-persistent objects, and the
+            bucket sizes as ShardedObjects.
+        """
+        del model_sharded_state_dict, is_loading, metadata  # same dict for save and load
+        dp_rank = self.data_parallel_group.rank()
+        dp_size = self.data_parallel_group.size()
+        state = self.get_parameter_state_dp_reshardable()
+        for name in ('per_bucket_numel', 'per_bucket_numel_unpadded'):
+            state[name] = ShardedObject(
+                self._dp_group_key(name),
+                state[name],
+                (1,),
+                (0,),
+                replica_id=(self.distributed_optimizer_instance_id, 0, dp_rank),
+            )
+        for gbuf_idx in range(len(self.gbuf_ranges)):
+            for dtype, buckets_state in state[gbuf_idx].items():
+                for bucket_idx, entries in enumerate(buckets_state):
+                    key_prefix = self._dp_group_key(
+                        f'gbuf_idx_{gbuf_idx}.dtype_{dtype}.bucket_idx_{bucket_idx}'
+                    )
+                    buckets_state[bucket_idx] = self._sharded_bucket_pieces(
+                        entries,
+                        self.buffers[gbuf_idx].buckets[bucket_idx],
+                        dp_rank,
+                        dp_size,
+                        key_prefix,
+                    )
+        return state
+
+    def _sharded_bucket_pieces(self, entries, bucket, dp_rank, dp_size, key_prefix):
+        """One bucket's ``dp_reshardable`` pieces: owned slices and padding, in shard order.
+
+        Args:
+            entries: ``{state tensors..., "gbuf_local_start", "gbuf_local_end"}`` per owned
+                parameter slice, in shard order.
+            bucket: the buffer's bucket (``grad_data``, ``numel_unpadded``).
+            dp_rank: this rank in the data-parallel group.
+            dp_size: the data-parallel group's size.
+            key_prefix: checkpoint key of the bucket, completed by the state key.
+        """
+        bucket_numel = bucket.grad_data.numel()
+        unpadded_numel = bucket.numel_unpadded
+        if unpadded_numel > bucket_numel or bucket_numel % dp_size:
+            raise AssertionError(
+                f"bucket of {bucket_numel} elements ({unpadded_numel} unpadded) cannot be "
+                f"split into {dp_size} equal shards"
+            )
+        if not entries:
+            raise AssertionError('empty bucket encountered')
+        shard_numel = bucket_numel // dp_size
+        shard_start = dp_rank * shard_numel
+
+        pieces = []
+        for position in range(len(entries) + 1):
+            gap_start = entries[position - 1]['gbuf_local_end'] if position else 0
+            gap_end = (
+                entries[position]['gbuf_local_start'] if position < len(entries) else shard_numel
+            )
+            # A gap needs covering only where it starts inside the unpadded bucket. Its tensors
+            # copy the dtypes of the entry before it (the last entry for a leading gap).
+            if gap_end != gap_start and shard_start + gap_start < unpadded_numel:
+                like = entries[position - 1]
+                padding = {
+                    k: torch.empty(gap_end - gap_start, dtype=v.dtype, device=v.device)
+                    for k, v in like.items()
+                    if isinstance(v, torch.Tensor)
+                }
+                padding.update(gbuf_local_start=gap_start, gbuf_local_end=gap_end, padding=True)
+                pieces.append(padding)
+            if position < len(entries):
+                pieces.append(entries[position])
+
+        replica_id = (self.distributed_optimizer_instance_id, 0, 0)
+        for piece in pieces:
+            local_start = piece.pop('gbuf_local_start')
+            local_end = piece.pop('gbuf_local_end')
+            piece.setdefault('padding', False)
+            for key, value in piece.items():
+                if key in ('padding', 'step'):
+                    # Loader bookkeeping, and the 0-dim step restored from the param groups.
+                    piece[key] = LocalNonpersistentObject(value)
+                    continue
+                if value.shape != (local_end - local_start,):
+                    raise AssertionError(
+                        f"'{key}' of shape {tuple(value.shape)} does not fill its shard range "
+                        f"[{local_start}, {local_end})"
+                    )
+                piece[key] = ShardedTensor(
+                    f'{key_prefix}.{key}',
+                    value,
+                    value.dtype,
+                    value.shape,
+                    (unpadded_numel,),
+                    (shard_start + local_start,),
+                    axis_fragmentations=None,
+                    replica_id=replica_id,
+                    allow_shape_mismatch=False,
+                    flattened_range=None,
+                )
+        return pieces
+
+    # ------------------------------------------------------------------------------------
+    # fully_sharded_model_space (deprecated)
+    # ------------------------------------------------------------------------------------
+
+    def sharded_param_state_fs_model_space(
+        self, model_sharded_state_dict, is_loading: bool = False, metadata: Optional[dict] = None
+    ):
+        """Each owned parameter slice as a flattened piece of a model-shaped tensor.
+
+        An owned slice's state (``fp32_param`` and each optimizer state key) is described by
+        the model parameter's entry with ``flattened_range`` set to the slice and the
+        data-parallel coordinate of the replica id set to the optimizer instance. The data are
+        the live optimizer tensors. A torch ``step`` stays a plain tensor (not checkpointed per
+        element). Tensor and pipeline parallelism may change between save and load.
+
+        Returns:
+            dict: ``{index: {key: ShardedTensor or factory}}``, owned slices numbered buffer by
+            buffer, bucket by bucket.
+        """
+        del is_loading, metadata  # same dict for save and load
+        by_param = _model_tensors_by_param(model_sharded_state_dict)
+        state = {}
+        for index, (model_param, param_range_map) in enumerate(self._owned_param_ranges()):
+            tensors = self._get_main_param_and_optimizer_states(model_param)
+            tensors['fp32_param'] = tensors.pop('param')
+            model_entry = _model_metadata(by_param, model_param)
+            if len(model_entry.replica_id) != 3:
+                raise AssertionError(f'Expected replica_id format (PP, TP, DP), got: {model_entry}')
+            replica_id = (*model_entry.replica_id[:2], self.distributed_optimizer_instance_id)
+            piece = param_range_map['param']
+            for key, value in tensors.items():
+                if key == 'step':
+                    continue
+                tensors[key] = _state_entry(
+                    model_entry,
+                    key,
+                    value,
+                    flattened_range=slice(piece.start, piece.end),
+                    replica_id=replica_id,
+                )
+            state[index] = tensors
+        return state
+
+    def _fs_model_space_load_plan(self, state_dict: Any):
+        """Check a loaded ``fully_sharded_model_space`` state, pairing it with owned params."""
+        expected = ('param',) + tuple(self.optimizer_state_keys)
+        plan = []
+        for index, (model_param, param_range_map) in enumerate(self._owned_param_ranges()):
+            where = f"parameter slice {index} (shape {tuple(model_param.shape)})"
+            tensors = _checkpointed_tensors(
+                _loaded_entry(state_dict, index), expected, param_range_map['param'].size, where
+            )
+            plan.append((model_param, tensors))
+        return plan
+
+    @torch.no_grad()
+    def load_parameter_state_from_fs_model_space(self, state_dict):
+        """Load what :meth:`sharded_param_state_fs_model_space` described.
+
+        Usually the checkpoint was read straight into the optimizer's tensors and the copies
+        here are no-ops; everything is checked before anything is written.
+
+        Args:
+            state_dict: the loaded ``param_state``: index -> ``{"fp32_param", <state key>...}``.
+        """
+        for model_param, tensors in self._fs_model_space_load_plan(state_dict):
+            self._set_main_param_and_optimizer_states(model_param, tensors)
+        self.inner_state.finish_load()

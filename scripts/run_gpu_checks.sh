@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+#
+# The checks that need a GPU, by name, each writing its full log to OUT_DIR (default
+# ./gpu_checks) and printing a short summary. Run it where torch, megatron-core 0.19.2 and the
+# fork are already installed (the fork as a wheel or `pip install .`); on a CPU-only host the
+# GPU tests skip and the benchmarks label their figures as host-only.
+#
+#   scripts/run_gpu_checks.sh unit resume-w1 bench
+#
+# Checks:
+#   unit         every unit test (the GPU ones included)
+#   upstream-off the tests that a fix needs, against upstream 0.19.2 (MEGATRON_OPTIMIZER_FORK=0):
+#                they must fail there
+#   resume-w1    checkpoint resume matrix, world size 1, all directions (tools/distopt_resume.py)
+#   resume-w2    the same on two GPUs, fork->fork and upstream->fork
+#   resume-te    the TE FusedAdam and precision-aware cases, on the visible GPUs
+#   bench        HDO step time against its floor, overlap on and off (benchmarks/hdo_step.py)
+#   main         the README's main job (tools/resume_check.py)
+#
+# Settings (environment): PYTHON (default python3), OUT_DIR, TIMEOUT (seconds per check,
+# default 560), BENCH_ARGS (extra arguments for the benchmark).
+set -uo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+OUT_DIR="${OUT_DIR:-$PWD/gpu_checks}"
+TIMEOUT="${TIMEOUT:-560}"
+mkdir -p "$OUT_DIR"
+cd "$REPO_ROOT"
+
+RESUME=tests/unit_tests/test_distrib_optimizer_resume.py
+# Tests written for fixes (HDO ring and pinning, decoupled gradients, lazy build, bucketing).
+FIX_TESTS="bit_for_bit or ring or slots or consumed or decoupled or pins_no_more or first_use"
+FIX_TESTS="$FIX_TESTS or replace or bucketed or small"
+
+# Runs one pytest selection; keeps the whole log and prints the outcome lines.
+run_pytest() {
+    local name="$1"
+    shift
+    timeout "$TIMEOUT" "$PYTHON" -m pytest -q -p no:warnings -rfEX --tb=short "$@" \
+        >"$OUT_DIR/$name.txt" 2>&1
+    echo "== $name (exit $?)"
+    grep -E "^(FAILED|ERROR|XPASS)|[0-9]+ (passed|failed)" "$OUT_DIR/$name.txt" | cut -c1-240
+}
+
+for check in "$@"; do
+    case "$check" in
+        unit) run_pytest unit tests/unit_tests --deselect "$RESUME" ;;
+        upstream-off)
+            MEGATRON_OPTIMIZER_FORK=0 run_pytest upstream-off \
+                tests/unit_tests/test_optimizer_cpu_offloading.py -k "$FIX_TESTS"
+            ;;
+        resume-w1)
+            run_pytest resume-w1 "$RESUME" -k "w1 and not fused_adam and not precision_aware"
+            ;;
+        resume-w2)
+            run_pytest resume-w2 "$RESUME" \
+                -k "w2 and not fused_adam and not precision_aware and (fork2fork or upstream2fork)"
+            ;;
+        resume-te) run_pytest resume-te "$RESUME" -k "fused_adam or precision_aware" ;;
+        bench)
+            # shellcheck disable=SC2086
+            timeout "$TIMEOUT" "$PYTHON" benchmarks/hdo_step.py --out "$OUT_DIR" ${BENCH_ARGS:-} \
+                >"$OUT_DIR/bench.txt" 2>&1
+            echo "== bench (exit $?)"
+            grep -v Warn "$OUT_DIR/bench.txt" | tail -14
+            ;;
+        main)
+            timeout "$TIMEOUT" "$PYTHON" tools/resume_check.py --out "$OUT_DIR/main" \
+                >"$OUT_DIR/main.txt" 2>&1
+            echo "== main (exit $?)"
+            grep -v Warn "$OUT_DIR/main.txt" | tail -60
+            ;;
+        *)
+            echo "unknown check: $check (see the header of $0)" >&2
+            exit 2
+            ;;
+    esac
+done

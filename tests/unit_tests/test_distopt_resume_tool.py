@@ -1,0 +1,145 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""CPU tests of the resume tool's own logic: which results upstream's bugs excuse, and how its
+torchrun jobs share the GPUs."""
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "distopt_resume.py"
+
+
+@pytest.fixture(name="tool", scope="module")
+def fixture_tool():
+    spec = importlib.util.spec_from_file_location("distopt_resume_tool_cpu", TOOL_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_upstreams_own_failures_are_excused(tool):
+    save_error = "save failed on rank 0: ValueError: can't optimize a non-leaf Tensor"
+    results = {
+        "w1-fp32-off0.5-legacy-upstream2fork": {"error": save_error},
+        "w1-bf16-off0.5-legacy-upstream2fork": {"error": "KeyError: 'step'"},
+        "w1-bf16-off0-legacy-fork2upstream": {"error": "KeyError: 'step'"},
+        "w1-bf16-off0-legacy-upstream2upstream": {"error": "KeyError: 'step'", "exact": False},
+        "w1-bf16-off1-legacy-fork2upstream": {"error": "boom"},
+        "w1-bf16-off1-legacy-upstream2upstream": {"exact": True, "common_equal": True},
+        "w1-bf16-off1-legacy-fork2fork": {"error": save_error},
+    }
+    excuse = tool.control_failure
+    assert "cannot write" in excuse(results, "w1-fp32-off0.5-legacy-upstream2fork")
+    # A failure of the fork's load is never excused, nor is the fork's own save.
+    assert excuse(results, "w1-bf16-off0.5-legacy-upstream2fork") is None
+    assert excuse(results, "w1-bf16-off1-legacy-fork2fork") is None
+    assert "fails too" in excuse(results, "w1-bf16-off0-legacy-fork2upstream")
+    # Upstream passing its own checkpoint leaves the fork's checkpoint to blame.
+    assert excuse(results, "w1-bf16-off1-legacy-fork2upstream") is None
+
+
+@pytest.mark.parametrize(
+    "visible,nproc,jobs,side_by_side,expected",
+    [
+        (["0", "1"], 1, 2, True, [["0"], ["1"]]),
+        (["0", "1"], 2, 2, True, [None, None]),  # not enough GPUs: one after the other
+        (["0", "1"], 1, 2, False, [None, None]),
+        (["4", "5", "6", "7"], 2, 2, True, [["4", "5"], ["6", "7"]]),
+        (["0", "1"], 1, 1, True, [None]),
+    ],
+)
+def test_jobs_run_side_by_side_only_on_gpus_of_their_own(
+    tool, monkeypatch, visible, nproc, jobs, side_by_side, expected
+):
+    seen, running, overlap = {}, [0], [False]
+    lock = threading.Lock()
+
+    def launch(role, implementation, n, extra, log, timeout, devices=None):
+        assert (role, n, extra, timeout) == ("save", nproc, [], 60)
+        with lock:
+            running[0] += 1
+            overlap[0] |= running[0] > 1
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+        seen[implementation] = devices
+        return 0 if implementation != "job1" else 3
+
+    monkeypatch.setattr(tool, "_launch", launch)
+    monkeypatch.setattr(tool, "_visible_devices", lambda: visible)
+    job_list = [("save", f"job{i}", [], f"log{i}") for i in range(jobs)]
+    codes = tool._run_side_by_side(
+        job_list, nproc, 60, side_by_side
+    )  # pylint: disable=protected-access
+    assert codes == [0, 3][:jobs]
+    assert [seen[f"job{i}"] for i in range(jobs)] == expected
+    assert overlap[0] == (expected[0] is not None)
+
+
+class _Died(BaseException):
+    """Stands for a CUDA error that ends the process: no ``except Exception`` stops it."""
+
+
+@pytest.mark.parametrize("dies", ["in_the_case", "after_its_result"])
+def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_path, dies):
+    """Every case but the one that killed the job gets its result, and that one an error
+    naming the exit code and the log's cause (or its own result, when the job died in the
+    clean-up after it); a case is run once."""
+    names = ["bf16-off0-legacy", "bf16-off0.5-legacy", "bf16-off0-dp_reshardable"]
+    root = tmp_path / "saved_by_upstream"
+    root.mkdir()
+    manifest = {"save_with": "upstream", "world": 1, "module_file": "m", "steps_after": 1}
+    manifest["cases"] = [vars(tool.Case.parse(name)) for name in names]
+    (root / tool.MANIFEST).write_text(tool.json.dumps(manifest), encoding="utf-8")
+    killer = tool.Case.parse(names[1]).key(1, "upstream", "upstream")
+    runs = []
+
+    def load_one(case, folder, args, rank, manifest):  # pylint: disable=unused-argument
+        runs.append(case.name)
+        if case.key(1, "upstream", "upstream") == killer:
+            if dies == "in_the_case":
+                raise _Died()
+            return {"error": "RuntimeError: CUDA error", "params_exact": False}
+        return {"error": None, "params_exact": True, "state_exact": True}
+
+    def release():
+        if dies == "after_its_result" and runs[-1] == names[1] and runs.count(names[1]) == 1:
+            runs.append("released")  # die once, in the clean-up after the killer's result
+            raise _Died()
+
+    class Rank:
+        rank, world = 0, 1
+
+        @staticmethod
+        def barrier():
+            pass
+
+    def launch(role, implementation, nproc, extra, log, timeout, devices=None):
+        assert (role, implementation, nproc, devices) == ("load", "upstream", 1, None)
+        Path(log).write_text("frame #0: c10::Error::Error\nRuntimeError: CUDA error\n")
+        args = tool.parse_args(["--load-with", "upstream", "--ckpt-dir", str(root), *extra])
+        try:
+            tool.run_load(args, Rank(), "m")
+        except _Died:
+            return 1
+        return 0
+
+    monkeypatch.setattr(tool, "load_one", load_one)
+    monkeypatch.setattr(tool, "_release", release)  # no CUDA here
+    monkeypatch.setattr(tool, "_launch", launch)
+    out = tmp_path / "loaded_by_upstream.json"
+    job = ("load", "upstream", ["--out", str(out)], tmp_path / "load.log")
+    assert launch(*job[:2], 1, job[2], job[3], 60) == 1
+    assert tool._load_until_done(job, 1, 60, 1) == 0  # pylint: disable=protected-access
+    assert [name for name in runs if name != "released"] == names
+    results = tool.json.loads(out.read_text(encoding="utf-8"))
+    assert sorted(results) == sorted(
+        tool.Case.parse(name).key(1, "upstream", "upstream") for name in names
+    )
+    expected = {"in_the_case": "died in this case (exit 1): RuntimeError: CUDA error"}
+    assert expected.get(dies, "RuntimeError: CUDA error") in results[killer]["error"]
+    assert ("died" in results[killer]["error"]) == (dies == "in_the_case")
+    assert all(results[key]["exact"] for key in results if key != killer)
