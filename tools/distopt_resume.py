@@ -999,7 +999,7 @@ def drive(
             if readable:
                 out = workdir / f"loaded_by_{load}.json"
                 for stale in [out, *workdir.glob(f"{out.name}.*")]:
-                    stale.unlink()
+                    stale.unlink(missing_ok=True)
                 extra = ["--ckpt-dir", *(str(workdir / f"saved_by_{saver}") for saver in readable)]
                 extra += ["--out", str(out)]
                 load_jobs.append(("load", load, extra, workdir / f"load_{load}.log"))

@@ -143,3 +143,55 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
     assert expected.get(dies, "RuntimeError: CUDA error") in results[killer]["error"]
     assert ("died" in results[killer]["error"]) == (dies == "in_the_case")
     assert all(results[key]["exact"] for key in results if key != killer)
+
+
+def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatch, tmp_path):
+    """The driver's own path from jobs to results, with torchrun faked: each saving job writes
+    its manifest, each loading job its result; a load job that died once is restarted, and
+    stale result files of an earlier run in the same folder are not read."""
+    cases = [tool.Case.parse("bf16-off0-legacy"), tool.Case.parse("bf16-off0.5-legacy")]
+    pairs = [("fork", "fork"), ("upstream", "fork")]
+    # A merged result of an earlier run in the same folder, which the driver would read first.
+    stale = tmp_path / "loaded_by_fork.json"
+    stale.write_text('{"w1-bf16-off0-legacy-fork2fork": {"error": "stale"}}', encoding="utf-8")
+    starts = []
+
+    def launch(role, implementation, nproc, extra, log, timeout, devices=None):
+        starts.append((role, implementation, "--continue-load" in extra))
+        Path(log).write_text("RuntimeError: CUDA error: an illegal memory access\n")
+        if role == "save":
+            root = Path(extra[extra.index("--ckpt-dir") + 1])
+            root.mkdir(parents=True)
+            manifest = {"save_with": implementation, "world": nproc, "module_file": "m"}
+            manifest.update(steps_after=1, cases=[vars(case) for case in cases])
+            (root / tool.MANIFEST).write_text(tool.json.dumps(manifest), encoding="utf-8")
+            return 0
+        out = extra[extra.index("--out") + 1]
+        part = tool._rank_file(out, 0)  # pylint: disable=protected-access
+        results = tool.json.loads(part.read_text()) if "--continue-load" in extra else {}
+        for saver in ("fork", "upstream"):
+            for case in cases:
+                key = case.key(nproc, saver, implementation)
+                if key in results:
+                    continue
+                if saver == "upstream" and case.offload == 0.5 and "--continue-load" not in extra:
+                    marker = tool._current_file(out, 0)  # pylint: disable=protected-access
+                    marker.write_text(tool.json.dumps({"case": key}))
+                    return 1  # the first start dies in this case
+                results[key] = {"error": None, "params_exact": True, "state_exact": True}
+                part.write_text(tool.json.dumps(results))
+        return 0
+
+    monkeypatch.setattr(tool, "_launch", launch)
+    monkeypatch.setattr(tool, "te_unavailable", lambda case: None)
+    results = tool.drive(cases, pairs, nproc=1, workdir=str(tmp_path), side_by_side=False)
+    assert starts == [
+        ("save", "fork", False),
+        ("save", "upstream", False),
+        ("load", "fork", False),
+        ("load", "fork", True),
+    ]
+    died = "w1-bf16-off0.5-legacy-upstream2fork"
+    assert sorted(results) == sorted(case.key(1, s, "fork") for case in cases for s, _ in pairs)
+    assert "died in this case (exit 1): RuntimeError: CUDA error" in results[died]["error"]
+    assert all(results[key]["exact"] for key in results if key != died), results
