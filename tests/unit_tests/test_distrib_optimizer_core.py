@@ -24,7 +24,6 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
-from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import distrib_optimizer_upstream
@@ -38,6 +37,14 @@ fork = pytest.importorskip(
 )
 if not hasattr(fork, "_find_adam"):
     pytest.skip("the imported distrib_optimizer is not the fork's", allow_module_level=True)
+
+# pylint: disable=wrong-import-position
+from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
+
+try:
+    from test_fused_adam_state_load import FusedAdamDouble
+except ModuleNotFoundError:
+    from tests.unit_tests.test_fused_adam_state_load import FusedAdamDouble
 
 LR = 0.01
 
@@ -419,6 +426,76 @@ def test_scaffold_dtypes_for_the_precision_aware_optimizer():
             assert float(entry["step"]) == 7.0
 
 
+class DecoupledGradDouble(FusedAdamDouble):
+    """The FusedAdam double reading ``decoupled_grad``, as TE FusedAdam does under Megatron's
+    precision-aware optimizer (``use_decoupled_grad``)."""
+
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"]]
+        for param in params:
+            param.grad = getattr(param, "decoupled_grad", None)
+        try:
+            return super().step(closure)
+        finally:
+            for param in params:
+                param.grad = None
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize(
+    "module", IMPLEMENTATIONS, ids=lambda m: "fork" if m is fork else "upstream"
+)
+@pytest.mark.parametrize("remainders", [False, True], ids=["fp32_master", "remainders"])
+def test_precision_aware_parameter_state_resumes_exactly(module, remainders, monkeypatch):
+    """Precision-aware optimizer (bf16 moments, master weights kept by the optimizer, with and
+    without ``store_param_remainders``): each shard's state read through
+    ``_get_main_param_and_optimizer_states`` and written into a fresh optimizer through
+    ``_set_main_param_and_optimizer_states`` resumes the run exactly. With remainders the
+    master goes through as the int16 low bits FusedAdam keeps (a widened fp32 master is what
+    TE rejected on the H200)."""
+    if module is UPSTREAM:  # the double stands for TE FusedAdam: upstream's TE mode
+        monkeypatch.setattr(UPSTREAM, "HAVE_APEX_OR_TE", True)
+    # Set after construction: OptimizerConfig refuses these settings where TE does not import.
+    config = optimizer_config()
+    config.use_precision_aware_optimizer = True
+    config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    config.store_param_remainders = remainders
+    config.exp_avg_dtype = config.exp_avg_sq_dtype = torch.bfloat16
+
+    def inner(groups, lr):
+        return DecoupledGradDouble(
+            groups,
+            lr=lr,
+            master_weights=True,
+            exp_avg_dtype=torch.bfloat16,
+            exp_avg_sq_dtype=torch.bfloat16,
+            store_param_remainders=remainders,
+        )
+
+    def init_state(inner_optimizer, config=None):  # pylint: disable=unused-argument
+        for group in inner_optimizer.param_groups:
+            for param in group["params"]:
+                inner_optimizer.initialize_state(param, remainders)
+
+    options = dict(optimizer_cls=inner, config=config, init_state_fn=init_state)
+    model, optimizer = build(module, 2, 1, 150, **options)
+    for seed in range(2):
+        train_step(optimizer, model, seed)
+    resumed_model, resumed = _resume(optimizer, model, 2, 1, 150, module, **options)
+    masters = [
+        resumed.optimizer.state[p]["master_param"]
+        for group in resumed.optimizer.param_groups
+        for p in group["params"]
+        if p.dtype == torch.bfloat16
+    ]
+    assert masters and {m.dtype for m in masters} == {torch.int16 if remainders else torch.float32}
+    for seed in range(2, 4):
+        train_step(optimizer, model, seed)
+        train_step(resumed, resumed_model, seed)
+    for param, again in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(param, again)
+
+
 # --------------------------------------------------------------------------------------------
 # Gradients and parameters
 # --------------------------------------------------------------------------------------------
@@ -666,9 +743,10 @@ def test_state_dict_equals_upstreams():
     assert mine.state_dict() == theirs.state_dict()
 
 
-def _resume(source_optimizer, source_model, world_size, rank, bucket_size, module=fork):
-    """A fresh optimizer loaded from ``source_optimizer``'s state dict and parameter state."""
-    model, optimizer = build(module, world_size, rank, bucket_size, seed=1)
+def _resume(source_optimizer, source_model, world_size, rank, bucket_size, module=fork, **options):
+    """A fresh optimizer loaded from ``source_optimizer``'s state dict and parameter state;
+    ``options`` go to :func:`build`."""
+    model, optimizer = build(module, world_size, rank, bucket_size, seed=1, **options)
     with torch.no_grad():
         for a, b in zip(model.parameters(), source_model.parameters()):
             a.copy_(b)
