@@ -552,8 +552,9 @@ def test_resume_matches_uninterrupted_run(mode):
 def test_parameter_state_with_remainders_round_trips_through_the_inner_state_contract():
     """Megatron's parameter-state path reads a bf16 parameter's master as FusedAdam keeps it
     under ``store_param_remainders`` (int16, as upstream 0.19.2 saves it) and writes it back
-    the same way; resuming from what it wrote equals never stopping. An fp32 master for an
-    optimizer that keeps remainders is refused by name."""
+    the same way; resuming from what it wrote equals never stopping. Remainders widened to fp32
+    (as the fp32 gather buffers of the legacy formats hold them) go back exactly; a real fp32
+    master for an optimizer that keeps remainders is refused by name."""
     _, kwargs, _, _, _ = MODES["remainders"]
     params = make_params(torch.bfloat16)
     run = make_optimizer(params, kwargs)
@@ -574,8 +575,13 @@ def test_parameter_state_with_remainders_round_trips_through_the_inner_state_con
     for original, again in zip(params, resumed_params):
         assert torch.equal(original, again)
 
-    wrong = dict(saved[0], param=saved[0]["param"].float())
-    with pytest.raises(ValueError, match="store_param_remainders"):
+    # The legacy and dp_zero formats gather states into fp32 buffers: remainders arrive as
+    # fp32 integers and go back exactly; a real fp32 master is refused by name.
+    widened = dict(saved[0], param=saved[0]["param"].float())
+    target.write(resumed_params[0], widened)
+    assert torch.equal(resumed.state[resumed_params[0]]["master_param"], saved[0]["param"])
+    wrong = dict(saved[0], param=resumed_params[0].detach().float() + 0.25)
+    with pytest.raises(ValueError, match="not int16 remainders.*store_param_remainders"):
         target.write(resumed_params[0], wrong)
 
 

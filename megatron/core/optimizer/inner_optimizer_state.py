@@ -187,16 +187,25 @@ class InnerOptimizerState:
     def _master_as_kept(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``master`` in the form ``set_scaled_state`` takes: fp32, or the int16 remainders
         that an optimizer with ``store_param_remainders`` keeps for a bf16 parameter (what
-        ``get_unscaled_state`` gave when the checkpoint was written)."""
+        ``get_unscaled_state`` gave when the checkpoint was written).
+
+        The legacy and dp_zero formats gather every state into fp32 buffers, upstream's as well
+        as the fork's, so remainders can arrive as fp32 holding int16 values; they convert back
+        exactly. Any other value is a real fp32 master, which such an optimizer cannot take.
+        """
         if not keeps_param_remainders(self.optimizer, param):
             return master.to(torch.float32)
-        if master.dtype != torch.int16:
+        if master.dtype == torch.int16:
+            return master
+        remainders = master.to(torch.int16)
+        if not (master.is_floating_point() and torch.equal(remainders.to(master.dtype), master)):
             raise ValueError(
                 f"the checkpoint holds {master.dtype} master weights for a bf16 parameter of "
-                f"shape {tuple(param.shape)}, but the optimizer keeps int16 remainders "
-                "(store_param_remainders): save and load with the same setting"
+                f"shape {tuple(param.shape)} that are not int16 remainders, but the optimizer "
+                "keeps int16 remainders (store_param_remainders): save and load with the same "
+                "setting"
             )
-        return master
+        return remainders
 
     def step(self) -> Optional[int]:
         """The Adam step count, wherever the optimizer keeps it (None before any step)."""
