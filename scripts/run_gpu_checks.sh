@@ -31,7 +31,7 @@ cd "$REPO_ROOT"
 
 RESUME=tests/unit_tests/test_distrib_optimizer_resume.py
 # Tests written for fixes (HDO ring and pinning, decoupled gradients, lazy build, bucketing).
-FIX_TESTS="bit_for_bit or ring or slots or consumed or decoupled or pins_no_more or first_use"
+FIX_TESTS="bit_for_bit or ring or slots or slot_stages or decoupled or pins_no_more or first_use"
 FIX_TESTS="$FIX_TESTS or replace or bucketed or small"
 
 # Runs one pytest selection; keeps the whole log and prints the outcome lines.
