@@ -19,7 +19,9 @@
 #   main         the README's main job (tools/resume_check.py)
 #
 # Settings (environment): PYTHON (default python3), OUT_DIR, TIMEOUT (seconds per check,
-# default 560), BENCH_ARGS (extra arguments for the benchmark).
+# default 560), BENCH_ARGS (extra arguments for the benchmark), RESUME_FILTER (a pytest -k
+# expression ANDed to the resume checks' own, e.g. "w2"). The resume checks also write every
+# case's merged result (errors, mismatches, memory figures) to OUT_DIR/resume_results/.
 set -uo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,10 +40,17 @@ FIX_TESTS="$FIX_TESTS or replace or bucketed or small"
 run_pytest() {
     local name="$1"
     shift
-    timeout "$TIMEOUT" "$PYTHON" -m pytest -q -p no:warnings -rfEX --tb=short "$@" \
+    timeout "$TIMEOUT" "$PYTHON" -m pytest -q -p no:warnings -rfExX --tb=short "$@" \
         >"$OUT_DIR/$name.txt" 2>&1
     echo "== $name (exit $?)"
     grep -E "^(FAILED|ERROR|XPASS)|[0-9]+ (passed|failed)" "$OUT_DIR/$name.txt" | cut -c1-240
+}
+
+# Runs a selection of the resume matrix: its own -k expression AND RESUME_FILTER.
+run_resume() {
+    local name="$1" select="$2"
+    [[ -n "${RESUME_FILTER:-}" ]] && select="($select) and ($RESUME_FILTER)"
+    DISTOPT_RESUME_RESULTS_DIR="$OUT_DIR/resume_results" run_pytest "$name" "$RESUME" -k "$select"
 }
 
 for check in "$@"; do
@@ -51,14 +60,12 @@ for check in "$@"; do
             MEGATRON_OPTIMIZER_FORK=0 run_pytest upstream-off \
                 tests/unit_tests/test_optimizer_cpu_offloading.py -k "$FIX_TESTS"
             ;;
-        resume-w1)
-            run_pytest resume-w1 "$RESUME" -k "w1 and not fused_adam and not precision_aware"
-            ;;
+        resume-w1) run_resume resume-w1 "w1 and not fused_adam and not precision_aware" ;;
         resume-w2)
-            run_pytest resume-w2 "$RESUME" \
-                -k "w2 and not fused_adam and not precision_aware and (fork2fork or upstream2fork)"
+            run_resume resume-w2 \
+                "w2 and not fused_adam and not precision_aware and (fork2fork or upstream2fork)"
             ;;
-        resume-te) run_pytest resume-te "$RESUME" -k "fused_adam or precision_aware" ;;
+        resume-te) run_resume resume-te "fused_adam or precision_aware" ;;
         bench)
             # shellcheck disable=SC2086
             timeout "$TIMEOUT" "$PYTHON" benchmarks/hdo_step.py --out "$OUT_DIR" ${BENCH_ARGS:-} \
