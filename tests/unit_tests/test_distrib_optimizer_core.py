@@ -695,6 +695,77 @@ def test_fp8_params_match_upstream(monkeypatch, recipe, world_size, rank, bucket
 
 
 # --------------------------------------------------------------------------------------------
+# NVFP4 parameters (a stand-in predicate marks parameters as NVFP4)
+# --------------------------------------------------------------------------------------------
+
+
+@needs_upstream
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("keeps_init_value", [True, False])
+@pytest.mark.parametrize("world_size, rank, bucket_size", CASES[1:4])
+def test_nvfp4_params_match_upstream(monkeypatch, keeps_init_value, world_size, rank, bucket_size):
+    """An NVFP4 parameter has no flat shard, its main copy starts from the kept high-precision
+    value where there is one, and the cast back goes through ``quantize_nvfp4_param_shard`` with
+    the same pieces and offsets as upstream's, never through a copy into the buffer."""
+    setups = []
+    for module in (fork, UPSTREAM):
+        recorded = []
+        monkeypatch.setattr(module, "is_nvfp4tensor", lambda t: getattr(t, "fake_nvfp4", False))
+        monkeypatch.setattr(module, "is_grouped_nvfp4tensor", lambda t: False)
+        monkeypatch.setattr(
+            module, "quantize_nvfp4_param_shard", lambda *args, calls=recorded: calls.append(args)
+        )
+        model = TinyModel()
+        weight = model.proj.weight
+        weight.fake_nvfp4 = True
+        cleared = []
+        if keeps_init_value:
+            # Not representable in bf16, so a main copy made from the parameter would differ.
+            init_value = weight.detach().float() + 1.0 / 3.0
+            weight.get_high_precision_init_val = lambda value=init_value: value
+            weight.clear_high_precision_init_val = lambda cleared=cleared: cleared.append(True)
+        model.ddp_config = ddp_config(fp4_param_gather=True)
+        inner = torch.optim.AdamW(param_groups_of(model), lr=LR)
+        optimizer = construct(module, model, inner, world_size, rank, bucket_size)
+        setups.append((model, optimizer, recorded, cleared))
+    (model, mine, mine_calls, mine_cleared), (_, theirs, their_calls, their_cleared) = setups
+    weight = model.proj.weight
+    owned = weight in mine.model_param_gbuf_map
+    assert mine_cleared == their_cleared == ([True] if keeps_init_value and owned else [])
+    for a, b in zip(mine.shard_float16_groups, theirs.shard_float16_groups):
+        assert [x is None for x in a] == [x is None for x in b]
+    assert any(x is None for g in mine.shard_float16_groups for x in g) == owned
+
+    params_a, mains_a, offsets_a = mine._get_nvfp4_params_and_shard_fp32_from_nvfp4()
+    params_b, mains_b, offsets_b = theirs._get_nvfp4_params_and_shard_fp32_from_nvfp4()
+    assert len(params_a) == len(params_b) == 1 and offsets_a == offsets_b
+    assert (mains_a[0] is None) == (mains_b[0] is None) == (not owned)
+    if owned:
+        assert torch.equal(mains_a[0], mains_b[0])
+        piece = mine._get_model_param_range_map(weight)["param"]
+        source = weight.detach().float() + 1.0 / 3.0 if keeps_init_value else weight.float()
+        assert torch.equal(mains_a[0], source.view(-1)[piece.start : piece.end])
+
+    before = [buffer.param_data.clone() for buffer in mine.buffers]
+    mine._copy_main_params_to_model_params()
+    theirs._copy_main_params_to_model_params()
+    assert len(mine_calls) == len(their_calls) == 1
+    assert mine_calls[0][2] == their_calls[0][2]
+    assert mine_calls[0][3] is mine.data_parallel_group
+    for buffer_a, buffer_b in zip(mine.buffers, theirs.buffers):
+        assert torch.equal(buffer_a.param_data, buffer_b.param_data)
+    if owned:
+        # The NVFP4 parameter's place in the buffer is left to the quantizing cast.
+        index, _, bucket = mine.model_param_gbuf_map[weight]
+        world = mine._get_model_param_range_map(weight)["gbuf_world_in_bucket"]
+        start = mine.buffers[index].buckets[bucket].offset + world.start
+        assert torch.equal(
+            mine.buffers[index].param_data[start : start + world.size],
+            before[index][start : start + world.size],
+        )
+
+
+# --------------------------------------------------------------------------------------------
 # Grouped quantized tensors (stand-in members)
 # --------------------------------------------------------------------------------------------
 
