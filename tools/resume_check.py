@@ -301,21 +301,37 @@ def run_in_own_process(name, device):
             return json.load(result)
 
 
-def distributed_check(args, device):
-    """DDP + DistributedOptimizer resume, upstream 0.19.2 beside the fork, each resuming its own
-    checkpoint (``tools/distopt_resume.py`` under torchrun, one job per side).
-
-    Returns:
-        dict or None: the results by case id, or None where it cannot run here.
-    """
-    if args.distributed == "off":
-        return None
+def _load_distopt_tool():
+    """``tools/distopt_resume.py`` as a module (``tools/`` is no package)."""
     spec = importlib.util.spec_from_file_location(
         "distopt_resume",
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "distopt_resume.py"),
     )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def distributed_check(args, device, json_path=None, tool=None):
+    """DDP + DistributedOptimizer resume, upstream 0.19.2 beside the fork, each resuming its own
+    checkpoint (``tools/distopt_resume.py`` under torchrun, one job per side).
+
+    The fork's side runs first and is printed, and written to ``json_path``, as soon as it is
+    done, so a run cut short (a time limit, upstream's load job dying again and again) still
+    shows the fork's figures; the table of both sides follows at the end.
+
+    Args:
+        args: the parsed command line.
+        device: ``"cuda"`` or ``"cpu"``.
+        json_path: where the results so far are written after each side, if given.
+        tool: the ``distopt_resume`` module (loaded from ``tools/`` when not given).
+
+    Returns:
+        dict or None: the results by case id, or None where it cannot run here.
+    """
+    if args.distributed == "off":
+        return None
+    tool = tool or _load_distopt_tool()
     te_cases = tool.product(["bf16"], [0.0], ["dp_reshardable"], TE_VARIANTS)
     missing = tool.te_unavailable(te_cases[0])
     if missing:
@@ -335,10 +351,18 @@ def distributed_check(args, device):
         f"\ndistributed optimizer: DDP world size {nproc}, bf16, offload on and off"
         + ("" if missing else f"; TE FusedAdam variants {', '.join(TE_VARIANTS)}")
     )
-    # One job at a time: the load times of the two implementations are compared.
-    results = tool.drive(
-        cases, [("fork", "fork"), ("upstream", "upstream")], nproc, side_by_side=False
-    )
+    results = {}
+    for side in ("fork", "upstream"):
+        # One job at a time: the load times of the two implementations are compared.
+        done = tool.drive(cases, [(side, side)], nproc, side_by_side=False)
+        results.update(done)
+        if json_path:
+            with open(json_path, "w", encoding="utf-8") as out:
+                json.dump(results, out, indent=1, default=str)
+        if side == "fork":
+            print("\nfork, resuming its own checkpoints:")
+            tool.report(done)
+    print("\nupstream 0.19.2 beside the fork, each resuming its own checkpoints:")
     tool.report(results)
     return results
 
@@ -382,12 +406,9 @@ def main():
     with open(os.path.join(args.out, f"resume_check_{tag}.json"), "w", encoding="utf-8") as out:
         json.dump({"device": device, "args": vars(args), "results": results}, out, indent=1)
     print(f"\nplot: {png}")
-    distributed = distributed_check(args, device)
-    if distributed is not None:
-        with open(
-            os.path.join(args.out, f"resume_check_distributed_{tag}.json"), "w", encoding="utf-8"
-        ) as out:
-            json.dump(distributed, out, indent=1, default=str)
+    distributed = distributed_check(
+        args, device, os.path.join(args.out, f"resume_check_distributed_{tag}.json")
+    )
     fork_exact = all(
         r.get("exact")
         for k, r in (distributed or {}).items()

@@ -1,0 +1,78 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""CPU tests of the main job's (``tools/resume_check.py``) distributed-optimizer part, with the
+torchrun driver faked: what it runs in which order and what it shows before it finishes."""
+
+import importlib.util
+import json
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "resume_check.py"
+
+
+@pytest.fixture(name="main_job", scope="module")
+def fixture_main_job():
+    spec = importlib.util.spec_from_file_location("resume_check_cpu", TOOL_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeDriver:
+    """Stands in for ``tools/distopt_resume.py``: records its calls, gives one result a case."""
+
+    def __init__(self, json_path, te_problem=None):
+        self.json_path = json_path
+        self.te_problem = te_problem
+        self.calls = []
+
+    @staticmethod
+    def product(dtypes, offloads, formats, optimizers=("default",)):
+        return [
+            (d, o, f, opt) for d in dtypes for o in offloads for f in formats for opt in optimizers
+        ]
+
+    def te_unavailable(self, case):  # pylint: disable=unused-argument
+        return self.te_problem
+
+    def drive(self, cases, pairs, nproc, side_by_side=True):  # pylint: disable=unused-argument
+        written = json.loads(self.json_path.read_text()) if self.json_path.exists() else {}
+        self.calls.append(("drive", [tuple(pair) for pair in pairs], len(cases), sorted(written)))
+        save, load = pairs[0]
+        return {f"{'-'.join(map(str, case))}-{save}2{load}": {"exact": True} for case in cases}
+
+    def report(self, results):
+        self.calls.append(("report", sorted(results)))
+
+
+@pytest.mark.parametrize("te_problem", [None, "Transformer Engine not importable"])
+def test_the_forks_side_is_shown_and_kept_before_upstreams_runs(main_job, tmp_path, te_problem):
+    """A main job cut short while upstream's side runs still shows and keeps the fork's."""
+    json_path = tmp_path / "distributed.json"
+    driver = FakeDriver(json_path, te_problem)
+    args = Namespace(distributed="auto", offload_fraction=0.5)
+    results = main_job.distributed_check(args, "cuda", str(json_path), tool=driver)
+
+    cases = 4 + (0 if te_problem else 3)  # offload 0 and 0.5 x two formats (+ TE variants)
+    fork_keys = sorted(k for k in results if k.endswith("fork2fork"))
+    assert len(fork_keys) == cases and len(results) == 2 * cases
+    assert driver.calls == [
+        ("drive", [("fork", "fork")], cases, []),
+        ("report", fork_keys),
+        # Upstream's side starts with the fork's results already written and printed.
+        ("drive", [("upstream", "upstream")], cases, fork_keys),
+        ("report", sorted(results)),
+    ]
+    assert json.loads(json_path.read_text()) == results
+
+
+def test_nothing_runs_without_cuda_or_when_switched_off(main_job, tmp_path, capsys):
+    driver = FakeDriver(tmp_path / "distributed.json")
+    on = Namespace(distributed="auto", offload_fraction=0.5)
+    assert main_job.distributed_check(on, "cpu", None, tool=driver) is None
+    assert "no figures are invented" in capsys.readouterr().out
+    off = Namespace(distributed="off", offload_fraction=0.5)
+    assert main_job.distributed_check(off, "cuda", None, tool=driver) is None
+    assert not driver.calls
