@@ -639,6 +639,8 @@ def run_save(args, rank, module_file):
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
         rank.barrier()
+        if rank.rank == 0:
+            print(f"{time.strftime('%H:%M:%S')} save {case.name}", flush=True)
         try:
             _save_one(case, folder, args, rank)
             status = {"ok": True, "error": None}
@@ -733,7 +735,7 @@ def run_load(args, rank, module_file):
             if key in results:
                 continue
             _write_json(_current_file(args.out, rank.rank), {"case": key})
-            print(f"[rank {rank.rank}] load {key}", flush=True)
+            print(f"{time.strftime('%H:%M:%S')} [rank {rank.rank}] load {key}", flush=True)
             try:
                 result = load_one(case, Path(root) / case.name, args, rank, manifest)
             except Exception as error:  # pylint: disable=broad-except

@@ -27,6 +27,7 @@ import importlib.util
 import itertools
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -100,17 +101,21 @@ def _params():
     return params
 
 
-def _keep_results(results, world):
-    """Writes the merged results where ``DISTOPT_RESUME_RESULTS_DIR`` names a folder.
+def _keep_results(results, world, workdir):
+    """Writes the merged results and the jobs' logs where ``DISTOPT_RESUME_RESULTS_DIR`` names
+    a folder.
 
     A GPU run returns only that folder, and the xfail lines give one reason per case; the
-    file keeps every error and mismatch in full.
+    file keeps every error and mismatch in full, the logs the timing of each job and restart.
     """
     folder = os.environ.get("DISTOPT_RESUME_RESULTS_DIR")
     if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
+        logs = Path(folder) / f"logs_w{world}"
+        logs.mkdir(parents=True, exist_ok=True)
         path = Path(folder) / f"resume_w{world}.json"
         path.write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
+        for log in Path(workdir).glob("*.log*"):
+            shutil.copyfile(log, logs / log.name)
 
 
 @pytest.fixture(scope="session")
@@ -128,15 +133,16 @@ def resume_runs(request, tmp_path_factory):
             ]
             cases = sorted({p["case"] for p in selected}, key=lambda c: c.name)
             pairs = TOOL.with_controls(sorted({p["pair"] for p in selected}))
+            workdir = tmp_path_factory.mktemp(f"distopt_resume_w{world}")
             done[world] = TOOL.drive(
                 cases,
                 pairs,
                 nproc=world,
                 steps_before=STEPS_BEFORE,
                 steps_after=STEPS_AFTER,
-                workdir=str(tmp_path_factory.mktemp(f"distopt_resume_w{world}")),
+                workdir=str(workdir),
             )
-            _keep_results(done[world], world)
+            _keep_results(done[world], world, workdir)
         return done[world]
 
     return results_for
