@@ -43,9 +43,9 @@ if not hasattr(fork, "_find_adam"):
 from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
 
 try:
-    from test_fused_adam_state_load import FusedAdamDouble
+    from optimizer_doubles import FusedAdamDouble, GroupStepAdamW
 except ModuleNotFoundError:
-    from tests.unit_tests.test_fused_adam_state_load import FusedAdamDouble
+    from tests.unit_tests.optimizer_doubles import FusedAdamDouble, GroupStepAdamW
 
 LR = 0.01
 

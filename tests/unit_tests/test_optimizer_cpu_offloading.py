@@ -17,41 +17,16 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron_optimizer_fork.memory import pinned_bytes_in_use, release_cached_pinned_memory
 
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from optimizer_doubles import GroupStepAdamW
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.optimizer_doubles import GroupStepAdamW
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SHAPES = [(8, 4), (16,), (4, 4), (3,), (6, 2)]
 FRACTIONS = [0.0, 0.5, 1.0]
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-class GroupStepAdamW(torch.optim.Optimizer):
-    """Test double for TE/Apex FusedAdam's bookkeeping: AdamW that counts its step in
-    ``param_group["step"]`` (once per group and step) instead of in the per-parameter state.
-    A lost group step restarts bias correction, which changes the very next update."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):  # pylint: disable=unused-argument
-        for group in self.param_groups:
-            live = [p for p in group["params"] if p.grad is not None]
-            if not live:
-                continue
-            group["step"] = group.get("step", 0) + 1
-            beta1, beta2 = group["betas"]
-            correction1 = 1 - beta1 ** group["step"]
-            correction2 = 1 - beta2 ** group["step"]
-            for param in live:
-                state = self.state[param]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
-                state["exp_avg"].lerp_(param.grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                denom = (state["exp_avg_sq"] / correction2).sqrt_().add_(group["eps"])
-                param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / correction1)
 
 
 class DeviceAdamW(torch.optim.AdamW):
