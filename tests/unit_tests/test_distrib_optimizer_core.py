@@ -856,12 +856,15 @@ def _resume(
             a.copy_(b)
     saved = source_optimizer.state_dict()
     optimizer.load_state_dict(saved)
-    for model_param, source_param in zip(model.parameters(), source_model.parameters()):
-        if source_param in source_optimizer.model_param_gbuf_map:
-            tensors = source_optimizer._get_main_param_and_optimizer_states(source_param)
-            optimizer._set_main_param_and_optimizer_states(
-                model_param, {k: as_saved(v) for k, v in tensors.items()}
-            )
+    # Without autograd: 0.19.2 writes fp32 shards, views of parameters that require grad, in
+    # place, which autograd refuses.
+    with torch.no_grad():
+        for model_param, source_param in zip(model.parameters(), source_model.parameters()):
+            if source_param in source_optimizer.model_param_gbuf_map:
+                tensors = source_optimizer._get_main_param_and_optimizer_states(source_param)
+                optimizer._set_main_param_and_optimizer_states(
+                    model_param, {k: as_saved(v) for k, v in tensors.items()}
+                )
     return model, optimizer
 
 
@@ -892,6 +895,33 @@ def test_resume_continues_exactly(world_size, rank, bucket_size):
         train_step(resumed, resumed_model, seed)
         for buffer_a, buffer_b in zip(optimizer.buffers, resumed.buffers):
             assert torch.equal(buffer_a.param_data, buffer_b.param_data)
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("module", IMPLEMENTATIONS, ids=["fork", "upstream"])
+def test_group_step_adam_resumes_exactly(module, monkeypatch):
+    """Apex FusedAdam's contract (fp32 moments in the state, the Adam step in the param groups,
+    torch's own load): the saved step comes back into every group, so bias correction goes
+    on where it stopped, and the resumed run equals the uninterrupted one."""
+    # What the module sees where Apex imports: its FusedAdam is the ``Adam`` it accepts.
+    monkeypatch.setattr(module, "Adam", GroupStepAdamW)
+    if module is UPSTREAM:  # 0.19.2 reads the step from the groups only in its Apex/TE mode
+        monkeypatch.setattr(UPSTREAM, "HAVE_APEX_OR_TE", True)
+        monkeypatch.setattr(UPSTREAM, "USING_APEX_OPTIMIZER", True)
+    model, optimizer = build(module, 2, 1, 150, optimizer_cls=GroupStepAdamW)
+    for seed in range(3):
+        train_step(optimizer, model, seed)
+    saved = optimizer.state_dict()
+    assert {group["step"] for group in saved["optimizer"]["param_groups"]} == {3}
+    resumed_model, resumed = _resume(
+        optimizer, model, 2, 1, 150, module, optimizer_cls=GroupStepAdamW
+    )
+    assert [group["step"] for group in resumed.optimizer.param_groups] == [3, 3]
+    for seed in range(3, 5):
+        train_step(optimizer, model, seed)
+        train_step(resumed, resumed_model, seed)
+    for param, again in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(param, again)
 
 
 @pytest.mark.usefixtures("cpu_as_cuda")
