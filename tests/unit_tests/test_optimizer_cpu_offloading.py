@@ -174,6 +174,26 @@ def test_the_adam_step_counter_survives_the_checkpoint(inner):
                     assert float(sub_optimizer.state[param]["step"]) == 4.0
 
 
+@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_hyperparameters_set_between_steps_reach_every_sub_optimizer(fraction, inner):
+    """A scheduler writes the public groups' lr and weight decay before each step; the step
+    must use them on every parameter, offloaded or not. With both at zero Adam moves nothing,
+    so any sub-optimizer still on the old values changes its parameters."""
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, fraction, inner)
+    train(params, optimizer, 2, seed=1)
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = 0.0, 0.0
+    frozen = [p.detach().clone() for p in params]
+    train(params, optimizer, 1, seed=2)
+    assert_equal_params(params, frozen)
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-2
+    train(params, optimizer, 1, seed=3)
+    assert all(not torch.equal(p, f) for p, f in zip(params, frozen))
+
+
 def test_a_checkpoint_without_the_group_step_loads_as_before():
     params = make_params(torch.float32)
     optimizer = make_optimizer(params, 0.5, "torch_adamw")
@@ -920,6 +940,24 @@ def test_fp32_params_with_only_a_decoupled_grad_are_stepped_in_place_too(fractio
         assert torch.equal(param, twin)
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(optimizer.state[param][key], reference.state[twin][key]), key
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_clears_decoupled_grads_too(set_to_none):
+    """Megatron's zero_grad reaches the inner optimizer; a ``decoupled_grad`` left over would
+    be stepped again next time as if it were new."""
+    params = make_params(torch.float32)
+    optimizer = make_optimizer(params, 0.5)
+    for param in params:
+        param.grad = torch.ones_like(param)
+        param.decoupled_grad = torch.ones_like(param)
+    optimizer.zero_grad(set_to_none=set_to_none)
+    for param in params:
+        for grad in (param.grad, param.decoupled_grad):
+            if set_to_none:
+                assert grad is None
+            else:
+                assert torch.equal(grad, torch.zeros_like(param))
 
 
 def test_upstream_pinned_bytes_counts_grad_buffers_and_unwidened_copies():
