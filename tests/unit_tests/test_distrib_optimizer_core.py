@@ -533,15 +533,19 @@ def test_training_steps_match_upstream(world_size, rank, bucket_size):
     for seed in range(3):
         train_step(mine, mine_model, seed)
         train_step(theirs, their_model, seed)
-        for a, b in zip(
-            mine._collect_main_grad_data_for_unscaling(),
-            theirs._collect_main_grad_data_for_unscaling(),
-        ):
+        grads_a = mine._collect_main_grad_data_for_unscaling()
+        grads_b = theirs._collect_main_grad_data_for_unscaling()
+        # Every owned shard has a gradient (a bare zip would pass on two empty lists).
+        assert len(grads_a) == len(grads_b) == len(mine._inner_param_index) > 0
+        for a, b in zip(grads_a, grads_b):
             assert torch.equal(a, b)
+        assert len(mine.buffers) == len(theirs.buffers) > 0
         for buffer_a, buffer_b in zip(mine.buffers, theirs.buffers):
             assert torch.equal(buffer_a.param_data, buffer_b.param_data)
     model_a, main_a = mine._get_model_and_main_params_data_float16()
     model_b, main_b = theirs._get_model_and_main_params_data_float16()
+    float16_owned = sum(len(group) for group in mine.shard_fp32_from_float16_groups)
+    assert len(model_a) == len(main_a) == len(model_b) == len(main_b) == float16_owned > 0
     assert all(torch.equal(a, b) for a, b in zip(model_a + main_a, model_b + main_b))
 
     their_names = {n: p for p, n in names(their_model).items()}
