@@ -942,6 +942,24 @@ def test_fp32_params_with_only_a_decoupled_grad_are_stepped_in_place_too(fractio
             assert torch.equal(optimizer.state[param][key], reference.state[twin][key]), key
 
 
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_update_fp32_param_by_new_param_refreshes_every_inner_copy(fraction):
+    """After the parameters change outside the optimizer (the distributed optimizer copying
+    loaded model weights in), every host copy and fp32 clone holds the new values, so the next
+    step starts from them."""
+    params = make_params(torch.bfloat16)
+    optimizer = make_optimizer(params, fraction)
+    train(params, optimizer, 1, seed=1)
+    with torch.no_grad():
+        for param in params:
+            param.add_(1.0)
+    optimizer.update_fp32_param_by_new_param()
+    copies = [(p, inner) for p, inner in optimizer.param_to_inner_param.items() if inner is not p]
+    assert copies
+    for param, inner in copies:
+        assert torch.equal(inner, param.detach().to(inner.device, inner.dtype))
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_clears_decoupled_grads_too(set_to_none):
     """Megatron's zero_grad reaches the inner optimizer; a ``decoupled_grad`` left over would
