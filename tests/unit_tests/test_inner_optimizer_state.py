@@ -163,6 +163,9 @@ def test_write_restores_a_checkpoint_in_place_and_resumes_exactly(name, restore_
     target.finish_load()
     for index, param in enumerate(resumed_params):
         assert {k: v.data_ptr() for k, v in target.read(param).items()} == live[index]
+        # The public parameter holds the loaded value before any step: the first forward
+        # pass after the load reads it.
+        assert torch.equal(param, saved[index]["param"].to(param.dtype))
     train(resumed_params, resumed, 2, seed=2)
     for param, resumed_param in zip(params, resumed_params):
         assert torch.equal(param, resumed_param)
@@ -217,14 +220,21 @@ def test_precision_aware_state_is_read_unscaled_and_written_through_the_setter()
     params, optimizer = make(ScaledStateDouble)
     access = InnerOptimizerState(optimizer, precision_aware=True)
     for param in params:
-        value = torch.full(param.shape, 0.5)
-        access.write(param, {"param": value, "exp_avg": value, "exp_avg_sq": value})
+        # A different value per key (each exact in bf16), so a key written into another's
+        # place shows.
+        values = {
+            key: torch.full(param.shape, value)
+            for key, value in (("param", 0.5), ("exp_avg", 0.25), ("exp_avg_sq", 0.125))
+        }
+        access.write(param, values)
         state = optimizer.state[param]
         assert state["exp_avg"].dtype == torch.bfloat16
-        assert torch.equal(state["master_param"], value)
+        assert torch.equal(state["master_param"], values["param"])
         tensors = access.read(param)
+        assert set(tensors) == set(values)
         assert all(t.dtype == torch.float32 for t in tensors.values())
-        assert torch.equal(tensors["exp_avg"], value)
+        for key, value in values.items():
+            assert torch.equal(tensors[key], value), key
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
