@@ -948,11 +948,16 @@ def test_load_state_dict_restores_hyperparameters_and_grad_scaler_absence():
 
 @pytest.mark.usefixtures("cpu_as_cuda")
 def test_load_without_step_is_no_error():
+    """A state dict saved before the first step has no step anywhere; loading it gives every
+    shard a step counter at 0, so the next step is the first. (Its moments come from the
+    parameter state, which this test does not load.)"""
     model, optimizer = build(fork, world_size=2, rank=0)
     saved = optimizer.state_dict()  # saved before any step: no 'step' anywhere
-    _, loaded = build(fork, world_size=2, rank=0)
+    assert all("step" not in group for group in saved["optimizer"]["param_groups"])
+    loaded_model, loaded = build(fork, world_size=2, rank=0)
     loaded.load_state_dict(saved)
-    train_step(loaded, model, 0)  # torch AdamW finds its per-parameter step
+    assert loaded.optimizer.state and loaded.inner_state.step() == 0
+    train_step(loaded, loaded_model, 0)  # torch AdamW finds its per-parameter step
     assert loaded.inner_state.step() == 1
 
 
