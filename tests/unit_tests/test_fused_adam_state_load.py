@@ -434,6 +434,32 @@ def test_fp16_materialise_leaves_caller_tensors_alone_unless_released():
             assert torch.equal(kept._scales[mine][name], released._scales[other][name])
 
 
+@pytest.mark.parametrize("what", ["incoming", "parameter"])
+def test_non_contiguous_tensors_are_materialised_not_adopted(what, own_loads):
+    """A non-contiguous tensor cannot become FusedAdam's state (its kernels take flat
+    storage): the state is materialised once, contiguous, with the incoming values."""
+    params = make_params(torch.float32)
+    if what == "parameter":
+        params[0] = torch.nn.Parameter(torch.randn(3, 4).t())  # shape (4, 3), transposed
+    optimizer = make_optimizer(params, {})
+    incoming = synthetic_state_dict(optimizer)
+    if what == "incoming":
+        value = incoming["state"][0]["exp_avg"]
+        incoming["state"][0]["exp_avg"] = value.t().contiguous().t()
+    expected = {k: {n: t.clone() for n, t in e.items()} for k, e in incoming["state"].items()}
+
+    plan = fsl.load_fused_adam_state_dict(optimizer, incoming)
+
+    assert plan.path == "materialise" and "contiguous" in plan.reason
+    assert own_loads == []
+    for key, param in enumerate(all_params(optimizer)):
+        for name, value in expected[key].items():
+            state = optimizer.state[param][name]
+            assert state.is_contiguous() and torch.equal(state, value)
+    if what == "incoming":
+        assert optimizer.state[params[0]]["exp_avg"] is not incoming["state"][0]["exp_avg"]
+
+
 def test_precision_aware_flag_turns_adopt_into_materialise(allocations):
     """With precision_aware, fp32 state is materialised, which still reuses every tensor."""
     params, _, saved = trained_setup("fp32")
@@ -471,6 +497,10 @@ def _aliased(optimizer):
     return optimizer, {"alias": True}
 
 
+def _aliases_a_parameter(optimizer):
+    return optimizer, {"alias_param": True}
+
+
 def _missing_scales(optimizer):
     del optimizer._scales
     return optimizer, {}
@@ -500,6 +530,7 @@ FALLBACKS = {
     "shape": (_broadcast_shape, "shape mismatch"),
     "none_value": (_none_value, "not a plain tensor"),
     "aliased": (_aliased, "share memory"),
+    "aliases_a_parameter": (_aliases_a_parameter, "share memory"),
     "missing_feature": (_missing_scales, "lacks _scales"),
     "hooks": (_hook, "hooks"),
     "overridden": (_overridden, "overrides"),
@@ -521,6 +552,9 @@ def test_fallback_modes_use_the_optimizers_own_loader(case, allocations, own_loa
         first[edits["none"]] = None
     if "alias" in edits:
         first["exp_avg_sq"] = first["exp_avg"]
+    if "alias_param" in edits:
+        # Adopted, the parameter's own storage would become its moment.
+        first["exp_avg"] = all_params(optimizer)[0].detach()
 
     plan = fsl.load_fused_adam_state_dict(optimizer, incoming)
 
