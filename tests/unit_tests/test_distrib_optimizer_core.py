@@ -812,6 +812,48 @@ def test_expand_quantized_param_shard_matches_upstream(monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
+# MXFP8 parameter gather through the gradient buffer
+# --------------------------------------------------------------------------------------------
+
+
+@needs_upstream
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("world_size, rank, bucket_size", CASES[1:4])
+def test_prepare_model_params_for_param_sync_matches_upstream(
+    staged, world_size, rank, bucket_size
+):
+    """With MXFP8 reusing the gradient buffer for the overlapped parameter gather, the fp32
+    main pieces are staged into the buffers after the gradient buffers are zeroed, and the
+    chunks' dispatch state is reset afterwards; otherwise nothing happens."""
+    setups = []
+    for module in (fork, UPSTREAM):
+        config = optimizer_config(overlap_param_gather=staged)
+        config.reuse_grad_buf_for_mxfp8_param_ag = True
+        model, optimizer = build(module, world_size, rank, bucket_size, config=config)
+        calls = []
+        model.zero_grad_buffer = lambda calls=calls: calls.append("zero_grad_buffer")
+        model.reset_param_sync_dispatch_state = lambda calls=calls: calls.append("reset")
+        with torch.no_grad():
+            for group in optimizer.shard_fp32_from_float16_groups:
+                for main in group:
+                    main.add_(1.0 / 3.0)  # not representable in bf16: the copy narrows
+        before = [buffer.param_data.clone() for buffer in optimizer.buffers]
+        optimizer.prepare_model_params_for_param_sync()
+        setups.append((optimizer, calls, before))
+    (mine, mine_calls, before), (theirs, their_calls, _) = setups
+    assert mine_calls == their_calls == (["zero_grad_buffer", "reset"] if staged else [])
+    owned = sum(len(group) for group in mine.shard_fp32_from_float16_groups)
+    assert owned > 0
+    for index, (buffer_a, buffer_b) in enumerate(zip(mine.buffers, theirs.buffers)):
+        assert torch.equal(buffer_a.param_data, buffer_b.param_data)
+        if not staged:
+            assert torch.equal(buffer_a.param_data, before[index])
+    if staged:
+        assert any(not torch.equal(b.param_data, a) for b, a in zip(mine.buffers, before))
+
+
+# --------------------------------------------------------------------------------------------
 # Non-parameter state
 # --------------------------------------------------------------------------------------------
 
