@@ -2,22 +2,21 @@
 """CPU tests of the resume tool's own logic: which results upstream's bugs excuse, and how its
 torchrun jobs share the GPUs."""
 
-import importlib.util
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "distopt_resume.py"
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from fork_tools import load_tool
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.fork_tools import load_tool
 
 
 @pytest.fixture(name="tool", scope="module")
 def fixture_tool():
-    spec = importlib.util.spec_from_file_location("distopt_resume_tool_cpu", TOOL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("distopt_resume.py", "distopt_resume_tool_cpu")
 
 
 def test_only_upstreams_own_failures_are_excused(tool):

@@ -23,7 +23,6 @@ size, started once for all selected tests, so selecting with ``-k`` also shorten
 ``DISTOPT_RESUME_RESULTS_DIR`` names a folder for the merged results of each world size.
 """
 
-import importlib.util
 import itertools
 import json
 import os
@@ -33,9 +32,13 @@ from pathlib import Path
 import pytest
 import torch
 
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from fork_tools import load_tool
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.fork_tools import load_tool
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "distopt_resume.py"
 QUICK = os.environ.get("DISTOPT_RESUME_QUICK", "") not in ("", "0")
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
@@ -55,14 +58,7 @@ if QUICK:
     TE_FORMATS = ["dp_reshardable"]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("distopt_resume_tool", TOOL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TOOL = _load_tool()
+TOOL = load_tool("distopt_resume.py", "distopt_resume_tool")
 
 
 def _known_upstream_failure(pair):

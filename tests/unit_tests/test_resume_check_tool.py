@@ -2,22 +2,20 @@
 """CPU tests of the main job's (``tools/resume_check.py``) distributed-optimizer part, with the
 torchrun driver faked: what it runs in which order and what it shows before it finishes."""
 
-import importlib.util
 import json
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-TOOL_PATH = Path(__file__).resolve().parents[2] / "tools" / "resume_check.py"
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from fork_tools import load_tool
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.fork_tools import load_tool
 
 
 @pytest.fixture(name="main_job", scope="module")
 def fixture_main_job():
-    spec = importlib.util.spec_from_file_location("resume_check_cpu", TOOL_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("resume_check.py", "resume_check_cpu")
 
 
 class FakeDriver:
