@@ -944,7 +944,9 @@ def test_resume_continues_exactly(world_size, rank, bucket_size):
 
 
 @pytest.mark.usefixtures("cpu_as_cuda")
-@pytest.mark.parametrize("module", IMPLEMENTATIONS, ids=["fork", "upstream"])
+@pytest.mark.parametrize(
+    "module", IMPLEMENTATIONS, ids=lambda m: "fork" if m is fork else "upstream"
+)
 def test_group_step_adam_resumes_exactly(module, monkeypatch):
     """Apex FusedAdam's contract (fp32 moments in the state, the Adam step in the param groups,
     torch's own load): the saved step comes back into every group, so bias correction goes

@@ -361,18 +361,26 @@ def test_checkout_ships_no_upstream_package_files():
     assert not present, f"these would overwrite upstream files when vendored: {present}"
 
 
-def test_vendored_tree_uses_the_fork(tmp_path):
-    """rsync of the checkout's megatron/ over upstream's tree gives the fork's class."""
+def _vendored_tree(tmp_path, *folders):
+    """Upstream's installed ``megatron/`` with the checkout's ``folders`` rsynced over it, as
+    the README vendors the fork into a Megatron-LM tree; skips without rsync."""
     rsync = shutil.which("rsync")
     if rsync is None:
         pytest.skip("rsync is not installed")
     vendored = tmp_path.resolve() / "vendor"
     shutil.copytree(_upstream_megatron_dir(), vendored / "megatron", symlinks=True)
     subprocess.run(
-        [rsync, "-a", f"{REPO_ROOT / 'megatron'}/", f"{vendored / 'megatron'}/"],
+        [rsync, "-a", "--relative", *(f"{folder}/" for folder in folders), f"{vendored}/"],
+        cwd=REPO_ROOT,
         check=True,
         timeout=CHILD_TIMEOUT_S,
     )
+    return vendored
+
+
+def test_vendored_tree_uses_the_fork(tmp_path):
+    """rsync of the checkout's megatron/ over upstream's tree gives the fork's class."""
+    vendored = _vendored_tree(tmp_path, "megatron")
     report = _run_child(
         REPORT_HDO_ORIGIN, tmp_path, PYTHONPATH=str(vendored), **{fork.ENV_VAR: "0"}
     )
@@ -380,6 +388,54 @@ def test_vendored_tree_uses_the_fork(tmp_path):
     assert Path(report["hdo_file"]).resolve() == vendored / HDO_RELATIVE
     assert report["fork_marker"], "the vendored module is not the fork's"
     assert report["same_class"] and report["reexport_same"]
+
+
+# Child-process snippet: pytest over a vendored tree's tests, with the overlay package gone
+# (a vendored Megatron-LM has no megatron_optimizer_fork), reporting what it collected.
+COLLECT_VENDORED_TESTS = textwrap.dedent("""
+    import json, sys
+    sys.modules["megatron_optimizer_fork"] = None  # import now fails, as where it is absent
+    import pytest
+
+    class Report:
+        def __init__(self):
+            self.files, self.errors = {}, []
+
+        def pytest_collection_modifyitems(self, items):
+            for item in items:
+                name = item.nodeid.split("::")[0]
+                self.files[name] = self.files.get(name, 0) + 1
+
+        def pytest_collectreport(self, report):
+            if report.failed:
+                self.errors.append(report.nodeid + ": " + str(report.longrepr)[-300:])
+
+    report = Report()
+    code = pytest.main(
+        ["-q", "--collect-only", "-p", "no:cacheprovider", "tests/unit_tests"], plugins=[report]
+    )
+    print("FORK_TEST_RESULT=" + json.dumps(
+        {"code": int(code), "files": report.files, "errors": report.errors}
+    ))
+    """)
+
+
+def test_vendored_tests_collect_without_the_overlay_package(tmp_path):
+    """Copied into a Megatron-LM tree (a ``tests`` package, no overlay package, no tools/),
+    every test file imports; those that need what is missing skip rather than error."""
+    vendored = _vendored_tree(tmp_path, "megatron", "tests")
+    for package in ("tests", "tests/unit_tests"):  # Megatron-LM's tests/ is a package
+        (vendored / package / "__init__.py").touch()
+    report = _run_child(
+        COLLECT_VENDORED_TESTS, vendored, PYTHONPATH=str(vendored), **{fork.ENV_VAR: "0"}
+    )
+    assert report["errors"] == [] and report["code"] == 0, report["errors"]
+    for name in (
+        "test_optimizer_cpu_offloading.py",
+        "test_distrib_optimizer_core.py",
+        "test_distrib_optimizer_param_state.py",
+    ):
+        assert report["files"].get(f"tests/unit_tests/{name}", 0) > 0, (name, report["files"])
 
 
 def test_upstream_modules_with_relative_imports_load_beside_the_fork():
