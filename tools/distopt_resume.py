@@ -88,6 +88,9 @@ FORMATS = (
 )
 # Odd widths give padded params and buckets; BUCKET_SIZE (elements) gives several buckets.
 HIDDEN, FFN, BATCH, BUCKET_SIZE = 40, 72, 8, 4000
+# A larger probe keeps about this many buckets, so that memory figures are not lost in
+# per-bucket overheads.
+BUCKETS_PER_MODEL = 4
 TRAIN_STREAM, FOLLOW_UP_STREAM = 1, 2
 SAVE_SEED, LOAD_SEED = 1, 7
 MANIFEST = "manifest.json"
@@ -150,6 +153,24 @@ class Case:
         if dtype not in DTYPES or not offload.startswith("off") or fmt not in FORMATS:
             raise ValueError(f"not a case name: {name!r}")
         return cls(dtype, float(offload[3:]), fmt, optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Widths of the probe model; the save job records them and the load job reuses them."""
+
+    hidden: int = HIDDEN
+    ffn: int = FFN
+
+    @property
+    def numel(self):
+        """Parameter count of the probe (three linears, the middle one without bias; a norm)."""
+        return 2 * self.hidden * self.ffn + self.ffn * self.ffn + self.ffn + 3 * self.hidden
+
+    @property
+    def bucket_size(self):
+        """DDP bucket size in elements: several buckets whatever the widths."""
+        return max(BUCKET_SIZE, self.numel // BUCKETS_PER_MODEL)
 
 
 def product(dtypes, offloads, formats, optimizers=("default",)):
@@ -245,7 +266,7 @@ class Rank:
         torch.distributed.destroy_process_group()
 
 
-def _probe_class():
+def _probe_class(shape):
     from megatron.core.transformer.module import MegatronModule
 
     class ResumeProbe(MegatronModule):
@@ -253,10 +274,10 @@ def _probe_class():
 
         def __init__(self, config):
             super().__init__(config)
-            self.inp = torch.nn.Linear(HIDDEN, FFN)
-            self.mid = torch.nn.Linear(FFN, FFN, bias=False)
-            self.out = torch.nn.Linear(FFN, HIDDEN)
-            self.norm = torch.nn.LayerNorm(HIDDEN)
+            self.inp = torch.nn.Linear(shape.hidden, shape.ffn)
+            self.mid = torch.nn.Linear(shape.ffn, shape.ffn, bias=False)
+            self.out = torch.nn.Linear(shape.ffn, shape.hidden)
+            self.norm = torch.nn.LayerNorm(shape.hidden)
 
         def forward(self, x):  # pylint: disable=missing-function-docstring
             hidden = torch.tanh(self.mid(torch.nn.functional.gelu(self.inp(x))))
@@ -330,8 +351,8 @@ def inner_settings(case, optimizer):
     return settings
 
 
-def build(case, seed):
-    """DDP-wrapped probe model and the optimizer Megatron builds for ``case``."""
+def build(case, seed, shape=Shape()):
+    """DDP-wrapped probe model of ``shape`` and the optimizer Megatron builds for ``case``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
@@ -342,11 +363,11 @@ def build(case, seed):
     bf16, dtype = case.dtype == "bf16", _torch_dtype(case)
     torch.manual_seed(seed)
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, num_attention_heads=1, bf16=bf16, params_dtype=dtype
+        num_layers=1, hidden_size=shape.hidden, num_attention_heads=1, bf16=bf16, params_dtype=dtype
     )
-    module = _probe_class()(config).cuda().to(dtype)
+    module = _probe_class(shape)(config).cuda().to(dtype)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=bf16, bucket_size=BUCKET_SIZE
+        use_distributed_optimizer=True, grad_reduce_in_fp32=bf16, bucket_size=shape.bucket_size
     )
     model = DistributedDataParallel(config, ddp_config, module)
     optimizer = get_megatron_optimizer(
@@ -370,14 +391,15 @@ def distributed_optimizers(optimizer):
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def train(model, optimizer, case, stream, steps, rank):
+def train(model, optimizer, case, stream, steps, rank, shape=Shape()):
     """``steps`` optimizer steps on data fixed by (stream, step, rank)."""
     dtype = _torch_dtype(case)
     for step in range(steps):
         generator = torch.Generator(device="cuda")
         generator.manual_seed(1_000_003 * stream + 1_009 * step + rank)
-        inputs = torch.randn(BATCH, HIDDEN, generator=generator, device="cuda", dtype=dtype)
-        target = torch.randn(BATCH, HIDDEN, generator=generator, device="cuda", dtype=dtype)
+        size = (BATCH, shape.hidden)
+        inputs = torch.randn(size, generator=generator, device="cuda", dtype=dtype)
+        target = torch.randn(size, generator=generator, device="cuda", dtype=dtype)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss = (model(inputs).float() - target.float()).pow(2).mean()
@@ -609,12 +631,13 @@ def _write_json(path, payload):
 
 def _save_one(case, folder, args, rank):
     """Train, checkpoint, go on, and keep this rank's reference snapshot."""
-    model, optimizer = build(case, SAVE_SEED)
+    shape = Shape(args.hidden, args.ffn)
+    model, optimizer = build(case, SAVE_SEED, shape)
     inner_settings(case, optimizer)
-    train(model, optimizer, case, TRAIN_STREAM, args.steps_before, rank.rank)
+    train(model, optimizer, case, TRAIN_STREAM, args.steps_before, rank.rank, shape)
     save_checkpoint(case, model, optimizer, folder, rank)
     rank.barrier()
-    train(model, optimizer, case, FOLLOW_UP_STREAM, args.steps_after, rank.rank)
+    train(model, optimizer, case, FOLLOW_UP_STREAM, args.steps_after, rank.rank, shape)
     torch.save(snapshot(model, optimizer), folder / f"reference_rank{rank.rank}.pt")
 
 
@@ -630,6 +653,7 @@ def run_save(args, rank, module_file):
             "module_file": module_file,
             "steps_before": args.steps_before,
             "steps_after": args.steps_after,
+            "shape": dataclasses.asdict(Shape(args.hidden, args.ffn)),
             "cases": [dataclasses.asdict(case) for case in cases],
         }
         _write_json(root / MANIFEST, manifest)
@@ -670,20 +694,28 @@ def _save_error(folder, world):
     return None
 
 
-def load_one(case, folder, args, rank, manifest):
-    """Load one saved case, resume, compare; this rank's figures."""
-    result = {"error": _save_error(folder, rank.world), "primed": False}
+def load_one(case, folder, args, rank, manifest, result, built=None):
+    """Load one saved case, resume, compare: this rank's figures go into ``result``.
+
+    ``result`` is filled as the case goes, so that what was measured before an exception
+    survives it; ``built`` (called with ``result``) records the cold-start figures before the
+    load starts, so that they survive a load that ends the process too.
+    """
+    result.update(error=_save_error(folder, rank.world), primed=False)
     if result["error"]:
         return result
+    shape = Shape(**manifest.get("shape", {}))
     # What the process holds pinned at cold start includes what building the optimizer freed
     # into the allocator's cache, so the cache of the previous case is emptied first.
     release_cached_pinned_memory()
-    model, optimizer = build(case, LOAD_SEED)
+    model, optimizer = build(case, LOAD_SEED, shape)
     result["pinned_cold_bytes"] = pinned_bytes_held()
     result["instance_attributes"] = sorted(vars(distributed_optimizers(optimizer)[0]))
     inner = distributed_optimizers(optimizer)[0].optimizer
     result["inner_optimizer"] = f"{type(inner).__module__}.{type(inner).__name__}"
     result["inner_settings"] = inner_settings(case, optimizer)
+    if built:
+        built(result)
     _release()
     if _needs_priming(case, args.load_with, optimizer, args.prime):
         prime(optimizer)
@@ -701,7 +733,7 @@ def load_one(case, folder, args, rank, manifest):
     result["load_peak_gpu_extra_bytes"] = torch.cuda.max_memory_allocated() - before
     gc.collect()
     result["pinned_after_load_bytes"] = pinned_bytes_held()
-    train(model, optimizer, case, FOLLOW_UP_STREAM, manifest["steps_after"], rank.rank)
+    train(model, optimizer, case, FOLLOW_UP_STREAM, manifest["steps_after"], rank.rank, shape)
     result["pinned_after_steps_bytes"] = pinned_bytes_held()
     reference = torch.load(folder / f"reference_rank{rank.rank}.pt", weights_only=False)
     result.update(compare(reference, snapshot(model, optimizer)))
@@ -736,10 +768,17 @@ def run_load(args, rank, module_file):
                 continue
             _write_json(_current_file(args.out, rank.rank), {"case": key})
             print(f"{time.strftime('%H:%M:%S')} [rank {rank.rank}] load {key}", flush=True)
+            result = {}
+
+            def built(so_far, key=key):
+                # Marked unfinished: a restart after the process died keeps these figures.
+                results[key] = dict(so_far, case=key, unfinished=True)
+                _write_json(part, results)
+
             try:
-                result = load_one(case, Path(root) / case.name, args, rank, manifest)
+                load_one(case, Path(root) / case.name, args, rank, manifest, result, built)
             except Exception as error:  # pylint: disable=broad-except
-                result = {"error": _error_text(error)}
+                result["error"] = _error_text(error)
                 print(f"[rank {rank.rank}] load {key} failed: {result['error']}", flush=True)
             result.update(
                 case=key,
@@ -907,7 +946,9 @@ def _load_until_done(job, nproc, timeout, code):
             part = _rank_file(out, index)
             results = json.loads(part.read_text(encoding="utf-8")) if part.exists() else {}
             # A case whose result was written died in the clean-up after it: keep the result.
-            results.setdefault(key, {"error": error})
+            # An unfinished one keeps what it measured before the load and gets the error.
+            if results.get(key, {"unfinished": True}).get("unfinished"):
+                results[key] = dict(results.get(key, {}), error=error)
             _write_json(part, results)
         attempt += 1
         log = Path(f"{job[3]}.restart{attempt}")
@@ -950,6 +991,7 @@ def drive(
     workdir=None,
     timeout=1200,
     side_by_side=True,
+    **settings,
 ):
     """Run every (save_with, load_with) pair over ``cases`` with the fewest torchrun jobs.
 
@@ -957,6 +999,11 @@ def drive(
     reads every checkpoint folder it needs): the save jobs first, then the load jobs, the jobs
     of each phase side by side on GPUs of their own where there are enough and
     ``side_by_side`` (pass False when timings are compared across implementations).
+
+    Settings: ``shape`` (:class:`Shape` of the probe, default the small one),
+    ``collective_timeout`` (seconds a rank waits in a collective; a rank left behind by
+    another's error costs that long), ``log_dir`` (where the jobs' logs are copied at the end;
+    the checkpoints stay in ``workdir``).
 
     Returns:
         dict: ``Case.key(nproc, save_with, load_with)`` -> merged result; a job that failed
@@ -977,6 +1024,8 @@ def drive(
     workdir = Path(tempfile.mkdtemp(prefix="distopt_resume_") if owned else workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     names = [case.name for case in cases]
+    shape = settings.get("shape") or Shape()
+    common = ["--collective-timeout", str(settings.get("collective_timeout") or 300)]
     save_failures = {}
     try:
         savers = sorted({save for save, _ in pairs})
@@ -984,6 +1033,7 @@ def drive(
         for save in savers:
             extra = ["--ckpt-dir", str(workdir / f"saved_by_{save}"), "--cases", *names]
             extra += ["--steps-before", str(steps_before), "--steps-after", str(steps_after)]
+            extra += ["--hidden", str(shape.hidden), "--ffn", str(shape.ffn), *common]
             save_jobs.append(("save", save, extra, workdir / f"save_{save}.log"))
         for job, code in zip(save_jobs, _run_side_by_side(save_jobs, nproc, timeout, side_by_side)):
             if code != 0:
@@ -1003,7 +1053,7 @@ def drive(
                 for stale in [out, *workdir.glob(f"{out.name}.*")]:
                     stale.unlink(missing_ok=True)
                 extra = ["--ckpt-dir", *(str(workdir / f"saved_by_{saver}") for saver in readable)]
-                extra += ["--out", str(out)]
+                extra += ["--out", str(out), *common]
                 load_jobs.append(("load", load, extra, workdir / f"load_{load}.log"))
         first_codes = _run_side_by_side(load_jobs, nproc, timeout, side_by_side)
         codes = {
@@ -1029,6 +1079,11 @@ def drive(
                 result["exact"] = bool(result.get("exact")) and not result["error"]
                 results[key] = result
     finally:
+        if settings.get("log_dir"):
+            logs = Path(settings["log_dir"])
+            logs.mkdir(parents=True, exist_ok=True)
+            for log in workdir.glob("*.log*"):
+                shutil.copyfile(log, logs / log.name)
         if owned:
             shutil.rmtree(workdir, ignore_errors=True)
     return results
@@ -1150,6 +1205,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--cases", nargs="+", help="explicit case names (e.g. bf16-off0.5-legacy) instead"
     )
+    parser.add_argument("--hidden", type=int, default=HIDDEN, help="probe width (save side)")
+    parser.add_argument("--ffn", type=int, default=FFN, help="probe inner width (save side)")
     parser.add_argument("--steps-before", type=int, default=3)
     parser.add_argument("--steps-after", type=int, default=2)
     parser.add_argument("--out", help="result JSON (load side, or both sides)")
@@ -1198,6 +1255,8 @@ def main(argv=None):
             args.steps_before,
             args.steps_after,
             workdir,
+            shape=Shape(args.hidden, args.ffn),
+            collective_timeout=args.collective_timeout,
         )
         for key, result in results.items():
             result["upstream_fails_too"] = control_failure(results, key)

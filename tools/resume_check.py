@@ -44,6 +44,7 @@ GPU_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
 DISTRIBUTED_FORMATS = ["legacy", "dp_reshardable"]
 # Inner-optimizer variants of tools/distopt_resume.py measured only on TE FusedAdam.
 TE_VARIANTS = ["fused_adam", "precision_aware", "precision_aware_remainders"]
+COLLECTIVE_TIMEOUT_S = 120
 PHASES = [
     "cold start",
     "trained",
@@ -347,14 +348,25 @@ def distributed_check(args, device, json_path=None, tool=None):
         # A variant this TE cannot give (e.g. remainders on TE < 2.1) is listed as skipped.
         cases += te_cases
     nproc = min(torch.cuda.device_count(), 2)
+    shape = tool.Shape(args.dist_hidden, args.dist_ffn)
     print(
-        f"\ndistributed optimizer: DDP world size {nproc}, bf16, offload on and off"
+        f"\ndistributed optimizer: DDP world size {nproc}, bf16, {shape.numel / 1e6:.1f}M "
+        "parameters, offload on and off"
         + ("" if missing else f"; TE FusedAdam variants {', '.join(TE_VARIANTS)}")
     )
     results = {}
     for side in ("fork", "upstream"):
         # One job at a time: the load times of the two implementations are compared.
-        done = tool.drive(cases, [(side, side)], nproc, side_by_side=False)
+        done = tool.drive(
+            cases,
+            [(side, side)],
+            nproc,
+            side_by_side=False,
+            shape=shape,
+            # A rank left waiting by another rank's error gives up after this long.
+            collective_timeout=COLLECTIVE_TIMEOUT_S,
+            log_dir=json_path and os.path.join(os.path.dirname(json_path), f"logs_{side}"),
+        )
         results.update(done)
         if json_path:
             with open(json_path, "w", encoding="utf-8") as out:
@@ -364,7 +376,41 @@ def distributed_check(args, device, json_path=None, tool=None):
             tool.report(done)
     print("\nupstream 0.19.2 beside the fork, each resuming its own checkpoints:")
     tool.report(results)
+    side_by_side(results)
     return results
+
+
+def side_by_side(results):
+    """One row per case: upstream's figures beside the fork's (both resuming their own)."""
+    figures = [
+        ("exact", lambda r: "yes" if r.get("exact") else "NO"),
+        ("pin cold", lambda r: _mib_or_dash(r.get("pinned_cold_bytes"))),
+        ("pin load", lambda r: _mib_or_dash(r.get("pinned_after_load_bytes"))),
+        ("GPU peak+", lambda r: _mib_or_dash(r.get("load_peak_gpu_extra_bytes"))),
+        ("load ms", lambda r: _ms_or_dash(r.get("load_seconds"))),
+    ]
+    names = sorted({key.rsplit("-", 1)[0] for key in results})
+    width = max([30, *map(len, names)])
+    heads = "".join(f"{head:>10}" for head, _ in figures)
+    print(f"\n{'(MiB, per rank max)':{width}} | upstream 0.19.2{' ' * (len(heads) - 15)} | fork")
+    print(f"{'case':{width}} | {heads} | {heads}")
+    for name in names:
+        row = []
+        for side in ("upstream", "fork"):
+            result = results.get(f"{name}-{side}2{side}", {})
+            if result.get("skipped"):
+                row.append(f"{'skipped':>10}" + " " * (len(heads) - 10))
+            else:
+                row.append("".join(f"{show(result):>10}" for _, show in figures))
+        print(f"{name:{width}} | {row[0]} | {row[1]}")
+
+
+def _mib_or_dash(value):
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def _ms_or_dash(value):
+    return "-" if value is None else f"{value * 1000:.0f}"
 
 
 def main():
@@ -379,6 +425,12 @@ def main():
     parser.add_argument("--offload-fraction", type=float, default=0.5)
     parser.add_argument("--gpu-optimizer", choices=sorted(GPU_OPTIMIZERS), default="adamw")
     parser.add_argument("--out", default="results")
+    parser.add_argument(
+        "--dist-hidden", type=int, default=1024, help="width of the distributed run's model"
+    )
+    parser.add_argument(
+        "--dist-ffn", type=int, default=4096, help="inner width of the distributed run's model"
+    )
     parser.add_argument(
         "--distributed",
         choices=["auto", "off"],

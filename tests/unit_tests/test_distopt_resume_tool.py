@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     from fork_tools import load_tool
@@ -86,7 +87,8 @@ class _Died(BaseException):
 def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_path, dies):
     """Every case but the one that killed the job gets its result, and that one an error
     naming the exit code and the log's cause (or its own result, when the job died in the
-    clean-up after it); a case is run once."""
+    clean-up after it); a case is run once. The cold-start figures measured before the load
+    that killed the job are kept."""
     names = ["bf16-off0-legacy", "bf16-off0.5-legacy", "bf16-off0-dp_reshardable"]
     root = tmp_path / "saved_by_upstream"
     root.mkdir()
@@ -96,13 +98,18 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
     killer = tool.Case.parse(names[1]).key(1, "upstream", "upstream")
     runs = []
 
-    def load_one(case, folder, args, rank, manifest):  # pylint: disable=unused-argument
+    def load_one(case, folder, args, rank, manifest, result, built):
+        # pylint: disable=unused-argument,too-many-arguments
         runs.append(case.name)
+        result.update(error=None, pinned_cold_bytes=1000 + len(runs))
+        built(result)
         if case.key(1, "upstream", "upstream") == killer:
             if dies == "in_the_case":
                 raise _Died()
-            return {"error": "RuntimeError: CUDA error", "params_exact": False}
-        return {"error": None, "params_exact": True, "state_exact": True}
+            result.update(error="RuntimeError: CUDA error", params_exact=False)
+            return result
+        result.update(params_exact=True, state_exact=True)
+        return result
 
     def release():
         if dies == "after_its_result" and runs[-1] == names[1] and runs.count(names[1]) == 1:
@@ -142,6 +149,9 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
     assert expected.get(dies, "RuntimeError: CUDA error") in results[killer]["error"]
     assert ("died" in results[killer]["error"]) == (dies == "in_the_case")
     assert all(results[key]["exact"] for key in results if key != killer)
+    # The killer ran second: its cold-start figure survives the process it ended.
+    assert results[killer]["pinned_cold_bytes"] == 1002
+    assert not results[killer]["exact"]
 
 
 def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatch, tmp_path):
@@ -151,14 +161,18 @@ def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatc
     cases = [tool.Case.parse("bf16-off0-legacy"), tool.Case.parse("bf16-off0.5-legacy")]
     pairs = [("fork", "fork"), ("upstream", "fork")]
     # A merged result of an earlier run in the same folder, which the driver would read first.
-    stale = tmp_path / "loaded_by_fork.json"
+    (tmp_path / "work").mkdir()
+    stale = tmp_path / "work" / "loaded_by_fork.json"
     stale.write_text('{"w1-bf16-off0-legacy-fork2fork": {"error": "stale"}}', encoding="utf-8")
     starts = []
 
     def launch(role, implementation, nproc, extra, log, timeout, devices=None):
         starts.append((role, implementation, "--continue-load" in extra))
         Path(log).write_text("RuntimeError: CUDA error: an illegal memory access\n")
+        # Both jobs get the collective timeout; the save job the probe's widths.
+        assert extra[extra.index("--collective-timeout") + 1] == "45"
         if role == "save":
+            assert extra[extra.index("--hidden") + 1 :][:3] == ["64", "--ffn", "96"]
             root = Path(extra[extra.index("--ckpt-dir") + 1])
             root.mkdir(parents=True)
             manifest = {"save_with": implementation, "world": nproc, "module_file": "m"}
@@ -183,7 +197,17 @@ def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatc
 
     monkeypatch.setattr(tool, "_launch", launch)
     monkeypatch.setattr(tool, "te_unavailable", lambda case: None)
-    results = tool.drive(cases, pairs, nproc=1, workdir=str(tmp_path), side_by_side=False)
+    logs = tmp_path / "logs"
+    results = tool.drive(
+        cases,
+        pairs,
+        nproc=1,
+        workdir=str(tmp_path / "work"),
+        side_by_side=False,
+        shape=tool.Shape(64, 96),
+        collective_timeout=45,
+        log_dir=logs,
+    )
     assert starts == [
         ("save", "fork", False),
         ("save", "upstream", False),
@@ -194,3 +218,26 @@ def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatc
     assert sorted(results) == sorted(case.key(1, s, "fork") for case in cases for s, _ in pairs)
     assert "died in this case (exit 1): RuntimeError: CUDA error" in results[died]["error"]
     assert all(results[key]["exact"] for key in results if key != died), results
+    # Every job's log, the restart's too, is kept beside the results.
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "load_fork.log",
+        "load_fork.log.restart1",
+        "save_fork.log",
+        "save_upstream.log",
+    ]
+
+
+def test_probe_shape_keeps_several_buckets(tool):
+    """The small probe keeps the bucket size the matrix was written for; a wide one (the main
+    job's) still gets several buckets, not thousands."""
+    small, wide = tool.Shape(), tool.Shape(1024, 4096)
+    assert small.bucket_size == tool.BUCKET_SIZE and small.numel < 3 * tool.BUCKET_SIZE
+    assert 3 <= wide.numel / wide.bucket_size <= tool.BUCKETS_PER_MODEL + 1
+    # The count matches the module the probe builds (three linears, one without bias, a norm).
+    layers = [
+        torch.nn.Linear(1024, 4096),
+        torch.nn.Linear(4096, 4096, bias=False),
+        torch.nn.Linear(4096, 1024),
+        torch.nn.LayerNorm(1024),
+    ]
+    assert wide.numel == sum(p.numel() for layer in layers for p in layer.parameters())

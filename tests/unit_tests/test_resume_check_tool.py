@@ -25,6 +25,11 @@ class FakeDriver:
         self.json_path = json_path
         self.te_problem = te_problem
         self.calls = []
+        self.settings = []
+
+    class Shape:  # the probe's widths, as the real tool records them
+        def __init__(self, hidden, ffn):
+            self.hidden, self.ffn, self.numel = hidden, ffn, hidden * ffn
 
     @staticmethod
     def product(dtypes, offloads, formats, optimizers=("default",)):
@@ -35,11 +40,19 @@ class FakeDriver:
     def te_unavailable(self, case):  # pylint: disable=unused-argument
         return self.te_problem
 
-    def drive(self, cases, pairs, nproc, side_by_side=True):  # pylint: disable=unused-argument
+    def drive(self, cases, pairs, nproc, side_by_side=True, **settings):
+        # pylint: disable=unused-argument
+        self.settings.append(settings)
         written = json.loads(self.json_path.read_text()) if self.json_path.exists() else {}
         self.calls.append(("drive", [tuple(pair) for pair in pairs], len(cases), sorted(written)))
         save, load = pairs[0]
-        return {f"{'-'.join(map(str, case))}-{save}2{load}": {"exact": True} for case in cases}
+        return {
+            f"{'-'.join(map(str, case))}-{save}2{load}": {
+                "exact": save == "fork",
+                "pinned_cold_bytes": 2**20 * (3 if save == "fork" else 7),
+            }
+            for case in cases
+        }
 
     def report(self, results):
         self.calls.append(("report", sorted(results)))
@@ -50,7 +63,7 @@ def test_the_forks_side_is_shown_and_kept_before_upstreams_runs(main_job, tmp_pa
     """A main job cut short while upstream's side runs still shows and keeps the fork's."""
     json_path = tmp_path / "distributed.json"
     driver = FakeDriver(json_path, te_problem)
-    args = Namespace(distributed="auto", offload_fraction=0.5)
+    args = Namespace(distributed="auto", offload_fraction=0.5, dist_hidden=64, dist_ffn=96)
     results = main_job.distributed_check(args, "cuda", str(json_path), tool=driver)
 
     cases = 4 + (0 if te_problem else 3)  # offload 0 and 0.5 x two formats (+ TE variants)
@@ -64,11 +77,39 @@ def test_the_forks_side_is_shown_and_kept_before_upstreams_runs(main_job, tmp_pa
         ("report", sorted(results)),
     ]
     assert json.loads(json_path.read_text()) == results
+    # Both sides train the same model, and keep their jobs' logs beside the results.
+    assert [(s["shape"].hidden, s["shape"].ffn) for s in driver.settings] == [(64, 96)] * 2
+    assert [s["log_dir"] for s in driver.settings] == [
+        str(tmp_path / "logs_fork"),
+        str(tmp_path / "logs_upstream"),
+    ]
+
+
+def test_the_last_table_puts_upstream_beside_the_fork(main_job, capsys):
+    """One row per case, upstream's figures left of the fork's, skipped cases named."""
+    results = {
+        "w2-bf16-off0.5-legacy-upstream2upstream": {"exact": False, "pinned_cold_bytes": 7 << 20},
+        "w2-bf16-off0.5-legacy-fork2fork": {
+            "exact": True,
+            "pinned_cold_bytes": 3 << 20,
+            "load_seconds": 0.25,
+        },
+        "w2-bf16-off0-x-fork2fork": {"skipped": "no TE"},
+        "w2-bf16-off0-x-upstream2upstream": {"skipped": "no TE"},
+    }
+    main_job.side_by_side(results)
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if line.startswith("w2-bf16-off0.5-legacy "))
+    upstream, fork = row.split(" | ")[1:]
+    assert upstream.split()[:2] == ["NO", "7.0"] and upstream.split()[-1] == "-"
+    assert fork.split() == ["yes", "3.0", "-", "-", "250"]
+    skipped = next(line for line in lines if line.startswith("w2-bf16-off0-x "))
+    assert skipped.split(" | ")[1].strip() == skipped.split(" | ")[2].strip() == "skipped"
 
 
 def test_nothing_runs_without_cuda_or_when_switched_off(main_job, tmp_path, capsys):
     driver = FakeDriver(tmp_path / "distributed.json")
-    on = Namespace(distributed="auto", offload_fraction=0.5)
+    on = Namespace(distributed="auto", offload_fraction=0.5, dist_hidden=64, dist_ffn=96)
     assert main_job.distributed_check(on, "cpu", None, tool=driver) is None
     assert "no figures are invented" in capsys.readouterr().out
     off = Namespace(distributed="off", offload_fraction=0.5)
