@@ -49,6 +49,7 @@ dist_checkpointing refuses flattened ShardedTensors, so it fails with either imp
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -564,26 +565,55 @@ def prime(optimizer):
             dist._init_optimizer_states_with_dummy_values()  # pylint: disable=protected-access
 
 
-def load_checkpoint(case, model, optimizer, folder):
-    """Read ``case.fmt`` from ``folder`` into a fresh model and optimizer."""
+class PhasePeaks:
+    """Peak GPU memory of each phase of a load, above what was allocated when it started.
+
+    The peak counter is reset as each phase begins, so the largest phase peak is the peak of
+    the whole load.
+    """
+
+    def __init__(self):
+        torch.cuda.synchronize()
+        self.start = torch.cuda.memory_allocated()
+        self.peaks = {}
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        """Measure the block as phase ``name``."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        yield
+        torch.cuda.synchronize()
+        self.peaks[name] = torch.cuda.max_memory_allocated() - self.start
+
+
+def load_checkpoint(case, model, optimizer, folder, peaks):
+    """Read ``case.fmt`` from ``folder`` into a fresh model and optimizer, each phase measured
+    by ``peaks`` (:class:`PhasePeaks`)."""
     if case.fmt == "legacy":
-        common = torch.load(folder / "common.pt", map_location="cpu", weights_only=False)
-        model.load_state_dict(common["model"])
-        optimizer.load_state_dict(common["optimizer"])
-        optimizer.load_parameter_state(str(folder / "param_state.pt"))
+        with peaks.phase("state_dict"):
+            common = torch.load(folder / "common.pt", map_location="cpu", weights_only=False)
+            model.load_state_dict(common["model"])
+            optimizer.load_state_dict(common["optimizer"])
+        with peaks.phase("param_state"):
+            optimizer.load_parameter_state(str(folder / "param_state.pt"))
         return
     from megatron.core import dist_checkpointing
 
     model_sd = model.sharded_state_dict()
     metadata = {"distrib_optim_sharding_type": case.fmt}
-    state = {
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata),
-    }
-    loaded = dist_checkpointing.load(state, str(folder / "dist"))
-    # The sharded keys carry the DDP wrapper's "module." prefix; its load_state_dict does not.
-    model.load_state_dict({k.removeprefix("module."): v for k, v in loaded["model"].items()})
-    optimizer.load_state_dict(loaded["optimizer"])
+    # The first load pass: describing the optimizer for the load builds its state scaffold.
+    with peaks.phase("is_loading"):
+        state = {
+            "model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata),
+        }
+    with peaks.phase("read"):
+        loaded = dist_checkpointing.load(state, str(folder / "dist"))
+    with peaks.phase("load_state_dict"):
+        # The sharded keys carry the DDP wrapper's "module." prefix; its load_state_dict not.
+        model.load_state_dict({k.removeprefix("module."): v for k, v in loaded["model"].items()})
+        optimizer.load_state_dict(loaded["optimizer"])
 
 
 class LoadPlanLog(logging.Handler):
@@ -720,17 +750,16 @@ def load_one(case, folder, args, rank, manifest, result, built=None):
     if _needs_priming(case, args.load_with, optimizer, args.prime):
         prime(optimizer)
         result["primed"] = True
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    peaks = PhasePeaks()
     with LoadPlanLog() as plans:
         start = time.perf_counter()
-        load_checkpoint(case, model, optimizer, folder)
+        load_checkpoint(case, model, optimizer, folder, peaks)
         torch.cuda.synchronize()
         result["load_seconds"] = time.perf_counter() - start
     # Only rank 0 of the fork logs; upstream has no such logger.
     result["fused_adam_load_plans"] = plans.messages
-    result["load_peak_gpu_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+    result["load_phase_peak_gpu_extra_bytes"] = peaks.peaks
+    result["load_peak_gpu_extra_bytes"] = max(peaks.peaks.values())
     gc.collect()
     result["pinned_after_load_bytes"] = pinned_bytes_held()
     train(model, optimizer, case, FOLLOW_UP_STREAM, manifest["steps_after"], rank.rank, shape)
@@ -834,6 +863,11 @@ def _merge_case(parts):
         }
         for part in parts
     ]
+    phases = [part.get("load_phase_peak_gpu_extra_bytes") or {} for part in parts]
+    merged["load_phase_peak_gpu_extra_bytes"] = {
+        name: max(found[name] for found in phases if name in found)
+        for name in dict.fromkeys(name for found in phases for name in found)
+    }
     for first_rank_only in ("inner_optimizer", "inner_settings", "fused_adam_load_plans"):
         merged[first_rank_only] = parts[0].get(first_rank_only)
     merged["mismatches"] = [m for part in parts for m in part.get("mismatches", [])][:20]

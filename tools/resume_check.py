@@ -380,29 +380,61 @@ def distributed_check(args, device, json_path=None, tool=None):
     return results
 
 
+def _phase_peak(*names):
+    """The figure of the first of ``names`` (phases of one format or another) a result has."""
+
+    def show(result):
+        phases = result.get("load_phase_peak_gpu_extra_bytes") or {}
+        return _mib_or_dash(next((phases[n] for n in names if n in phases), None))
+
+    return show
+
+
+# Host side of the resume, then the GPU peak of each load phase above the start of the load:
+# dist-checkpoint formats describe the optimizer for the load (is_loading: the scaffold, the
+# first pass), read, then load (the second pass); legacy loads the common state dict, then
+# the parameter state.
+SIDE_BY_SIDE_TABLES = [
+    (
+        "exactness, pinned host memory (MiB, largest rank)",
+        [
+            ("exact", lambda r: "yes" if r.get("exact") else "NO"),
+            ("pin cold", lambda r: _mib_or_dash(r.get("pinned_cold_bytes"))),
+            ("pin load", lambda r: _mib_or_dash(r.get("pinned_after_load_bytes"))),
+            ("pin step", lambda r: _mib_or_dash(r.get("pinned_after_steps_bytes"))),
+            ("load ms", lambda r: _ms_or_dash(r.get("load_seconds"))),
+        ],
+    ),
+    (
+        "GPU memory the load adds, peak per phase (MiB, largest rank)",
+        [
+            ("pass 1", _phase_peak("is_loading", "state_dict")),
+            ("read", _phase_peak("read")),
+            ("pass 2", _phase_peak("load_state_dict", "param_state")),
+            ("peak", lambda r: _mib_or_dash(r.get("load_peak_gpu_extra_bytes"))),
+        ],
+    ),
+]
+
+
 def side_by_side(results):
     """One row per case: upstream's figures beside the fork's (both resuming their own)."""
-    figures = [
-        ("exact", lambda r: "yes" if r.get("exact") else "NO"),
-        ("pin cold", lambda r: _mib_or_dash(r.get("pinned_cold_bytes"))),
-        ("pin load", lambda r: _mib_or_dash(r.get("pinned_after_load_bytes"))),
-        ("GPU peak+", lambda r: _mib_or_dash(r.get("load_peak_gpu_extra_bytes"))),
-        ("load ms", lambda r: _ms_or_dash(r.get("load_seconds"))),
-    ]
     names = sorted({key.rsplit("-", 1)[0] for key in results})
     width = max([30, *map(len, names)])
-    heads = "".join(f"{head:>10}" for head, _ in figures)
-    print(f"\n{'(MiB, per rank max)':{width}} | upstream 0.19.2{' ' * (len(heads) - 15)} | fork")
-    print(f"{'case':{width}} | {heads} | {heads}")
-    for name in names:
-        row = []
-        for side in ("upstream", "fork"):
-            result = results.get(f"{name}-{side}2{side}", {})
-            if result.get("skipped"):
-                row.append(f"{'skipped':>10}" + " " * (len(heads) - 10))
-            else:
-                row.append("".join(f"{show(result):>10}" for _, show in figures))
-        print(f"{name:{width}} | {row[0]} | {row[1]}")
+    for title, figures in SIDE_BY_SIDE_TABLES:
+        heads = "".join(f"{head:>11}" for head, _ in figures)
+        print(f"\n{title}")
+        print(f"{'':{width}} | {'upstream 0.19.2':{len(heads)}} | fork")
+        print(f"{'case':{width}} | {heads} | {heads}")
+        for name in names:
+            row = []
+            for side in ("upstream", "fork"):
+                result = results.get(f"{name}-{side}2{side}", {})
+                if result.get("skipped"):
+                    row.append(f"{'skipped':>11}" + " " * (len(heads) - 11))
+                else:
+                    row.append("".join(f"{show(result):>11}" for _, show in figures))
+            print(f"{name:{width}} | {row[0]} | {row[1]}")
 
 
 def _mib_or_dash(value):

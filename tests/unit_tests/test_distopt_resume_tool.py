@@ -241,3 +241,39 @@ def test_probe_shape_keeps_several_buckets(tool):
         torch.nn.LayerNorm(1024),
     ]
     assert wide.numel == sum(p.numel() for layer in layers for p in layer.parameters())
+
+
+def test_ranks_merge_into_one_result_judged_by_the_worst_rank(tool):
+    """Exact only where every rank was; each figure and each load phase's peak is the largest
+    any rank reported, a phase only one rank had included."""
+    parts = [
+        {
+            "error": None,
+            "params_exact": True,
+            "state_exact": True,
+            "common_equal": True,
+            "pinned_cold_bytes": 5,
+            "load_peak_gpu_extra_bytes": 30,
+            "load_phase_peak_gpu_extra_bytes": {"is_loading": 10, "read": 30},
+        },
+        {
+            "error": None,
+            "params_exact": True,
+            "state_exact": False,
+            "common_equal": True,
+            "pinned_cold_bytes": 9,
+            "load_peak_gpu_extra_bytes": 25,
+            "load_phase_peak_gpu_extra_bytes": {"is_loading": 20, "load_state_dict": 25},
+            "mismatches": ["state x: max |diff| 1"],
+        },
+    ]
+    merged = tool._merge_case(parts)  # pylint: disable=protected-access
+    assert not merged["exact"] and merged["params_exact"] and not merged["state_exact"]
+    assert merged["pinned_cold_bytes"] == 9 and merged["load_peak_gpu_extra_bytes"] == 30
+    assert merged["load_phase_peak_gpu_extra_bytes"] == {
+        "is_loading": 20,
+        "read": 30,
+        "load_state_dict": 25,
+    }
+    assert merged["mismatches"] == ["state x: max |diff| 1"]
+    assert [rank["pinned_cold_bytes"] for rank in merged["per_rank"]] == [5, 9]

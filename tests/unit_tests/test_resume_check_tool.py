@@ -86,32 +86,43 @@ def test_the_forks_side_is_shown_and_kept_before_upstreams_runs(main_job, tmp_pa
 
 
 def test_the_last_table_puts_upstream_beside_the_fork(main_job, capsys):
-    """One row per case, upstream's figures left of the fork's, skipped cases named."""
+    """One row per case and table, upstream's figures left of the fork's, each load phase's GPU
+    peak in its column whatever the format calls it, skipped cases named."""
+    mib = 2**20
     results = {
-        "w2-bf16-off0.5-legacy-upstream2upstream": {"exact": False, "pinned_cold_bytes": 7 << 20},
+        "w2-bf16-off0.5-legacy-upstream2upstream": {"exact": False, "pinned_cold_bytes": 7 * mib},
         "w2-bf16-off0.5-legacy-fork2fork": {
             "exact": True,
-            "pinned_cold_bytes": 3 << 20,
+            "pinned_cold_bytes": 3 * mib,
+            "pinned_after_steps_bytes": 5 * mib,
             "load_seconds": 0.25,
+            "load_phase_peak_gpu_extra_bytes": {"state_dict": mib, "param_state": 4 * mib},
+            "load_peak_gpu_extra_bytes": 4 * mib,
+        },
+        "w2-bf16-off0-dist-upstream2upstream": {
+            "exact": True,
+            "load_phase_peak_gpu_extra_bytes": {
+                "is_loading": 6 * mib,
+                "read": 8 * mib,
+                "load_state_dict": 9 * mib,
+            },
+            "load_peak_gpu_extra_bytes": 9 * mib,
         },
         "w2-bf16-off0-x-fork2fork": {"skipped": "no TE"},
         "w2-bf16-off0-x-upstream2upstream": {"skipped": "no TE"},
     }
     main_job.side_by_side(results)
     lines = capsys.readouterr().out.splitlines()
-    row = next(line for line in lines if line.startswith("w2-bf16-off0.5-legacy "))
-    upstream, fork = row.split(" | ")[1:]
-    assert upstream.split()[:2] == ["NO", "7.0"] and upstream.split()[-1] == "-"
-    assert fork.split() == ["yes", "3.0", "-", "-", "250"]
-    skipped = next(line for line in lines if line.startswith("w2-bf16-off0-x "))
-    assert skipped.split(" | ")[1].strip() == skipped.split(" | ")[2].strip() == "skipped"
 
+    def rows(name):
+        return [line.split(" | ")[1:] for line in lines if line.startswith(f"{name} ")]
 
-def test_nothing_runs_without_cuda_or_when_switched_off(main_job, tmp_path, capsys):
-    driver = FakeDriver(tmp_path / "distributed.json")
-    on = Namespace(distributed="auto", offload_fraction=0.5, dist_hidden=64, dist_ffn=96)
-    assert main_job.distributed_check(on, "cpu", None, tool=driver) is None
-    assert "no figures are invented" in capsys.readouterr().out
-    off = Namespace(distributed="off", offload_fraction=0.5)
-    assert main_job.distributed_check(off, "cuda", None, tool=driver) is None
-    assert not driver.calls
+    host, gpu = rows("w2-bf16-off0.5-legacy")
+    assert host[0].split() == ["NO", "7.0", "-", "-", "-"]
+    assert host[1].split() == ["yes", "3.0", "-", "5.0", "250"]
+    assert gpu[0].split() == ["-"] * 4
+    assert gpu[1].split() == ["1.0", "-", "4.0", "4.0"]
+    _, gpu = rows("w2-bf16-off0-dist")
+    assert gpu[0].split() == ["6.0", "8.0", "9.0", "9.0"]
+    for table in rows("w2-bf16-off0-x"):
+        assert [cell.strip() for cell in table] == ["skipped", "skipped"]
