@@ -126,3 +126,13 @@ def test_the_last_table_puts_upstream_beside_the_fork(main_job, capsys):
     assert gpu[0].split() == ["6.0", "8.0", "9.0", "9.0"]
     for table in rows("w2-bf16-off0-x"):
         assert [cell.strip() for cell in table] == ["skipped", "skipped"]
+
+
+def test_nothing_runs_without_cuda_or_when_switched_off(main_job, tmp_path, capsys):
+    driver = FakeDriver(tmp_path / "distributed.json")
+    on = Namespace(distributed="auto", offload_fraction=0.5, dist_hidden=64, dist_ffn=96)
+    assert main_job.distributed_check(on, "cpu", None, tool=driver) is None
+    assert "no figures are invented" in capsys.readouterr().out
+    off = Namespace(distributed="off", offload_fraction=0.5, dist_hidden=64, dist_ffn=96)
+    assert main_job.distributed_check(off, "cuda", None, tool=driver) is None
+    assert not driver.calls
