@@ -141,6 +141,25 @@ def _creates_own_state(optimizer: torch.optim.Optimizer) -> bool:
     return callable(getattr(optimizer, "dummy_step", None))
 
 
+def _param_groups_as_saved(optimizer: torch.optim.Optimizer) -> List[Dict]:
+    """The inner optimizer's param groups as its ``state_dict`` lists them (parameters as
+    running indices), read without its state.
+
+    TE FusedAdam's ``state_dict`` returns every precision-aware state tensor as a new fp32
+    copy, far too much to build for the groups alone. The HybridDeviceOptimizer's groups come
+    from its own ``state_dict``, which describes its sub-optimizers.
+    """
+    if _creates_own_state(optimizer):
+        return optimizer.state_dict()["param_groups"]
+    groups, start = [], 0
+    for group in optimizer.param_groups:
+        saved = {key: value for key, value in group.items() if key != "params"}
+        saved["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        groups.append(saved)
+    return groups
+
+
 def _counts_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer keeps its step in each parameter's state (torch's Adam family)
     rather than in its param groups (TE/Apex FusedAdam)."""
@@ -588,9 +607,13 @@ class DistributedOptimizer(
         """
         if self.is_stub_optimizer:
             raise RuntimeError("a stub DistributedOptimizer (no inner optimizer) has no state dict")
-        inner = self.optimizer.state_dict()
+        if _creates_own_state(self.optimizer):
+            inner = self.optimizer.state_dict()
+            saved = {key: value for key, value in inner.items() if key != "state"}
+        else:
+            # Not through the inner state_dict, which copies precision-aware FusedAdam state.
+            saved = {"param_groups": _param_groups_as_saved(self.optimizer)}
         step = self.inner_state.step()
-        saved = {key: value for key, value in inner.items() if key != "state"}
         # Saved with the type upstream saves: torch's float counter, FusedAdam's int.
         as_saved = float if _counts_steps_per_param(self.optimizer) else int
         for group in saved["param_groups"]:
@@ -658,7 +681,9 @@ class DistributedOptimizer(
         If the inner optimizer has no state yet, its state is created once (by the optimizer
         itself when it places its own state, otherwise as uninitialised tensors on each shard's
         device) and handed to the optimizer without a second copy (TE FusedAdam goes through
-        :func:`~megatron.core.optimizer.fused_adam_state_load.load_fused_adam_state_dict`).
+        :func:`~megatron.core.optimizer.fused_adam_state_load.load_fused_adam_state_dict`). If
+        it has state (the second pass of a dist-checkpoint load), its state tensors are kept
+        and only the param groups are loaded.
         Values come later from the parameter state. A saved ``step`` is restored wherever the
         optimizer counts steps; a missing one is no error.
 
@@ -690,32 +715,42 @@ class DistributedOptimizer(
             loader = getattr(self, _SHARDING_TYPE_LOADERS[state_dict["param_state_sharding_type"]])
 
         saved_groups = state_dict["optimizer"]["param_groups"]
-        inner_groups = self.optimizer.state_dict()["param_groups"]
+        inner_groups = _param_groups_as_saved(self.optimizer)
         groups = self._pair_saved_param_groups(saved_groups, inner_groups)
         steps = {group["step"] for group in groups if group.get("step") is not None}
 
         if not self.optimizer.state and _creates_own_state(self.optimizer):
             self.inner_state.materialise()
         scaffolded = not self.optimizer.state
+        # State already allocated (the second pass of a dist-checkpoint load, or a load over a
+        # trained optimizer) keeps its tensors: the parameter state fills them next, and a
+        # round trip through the optimizer's state_dict would copy every state tensor (TE
+        # FusedAdam's precision-aware state comes back as fp32). The HybridDeviceOptimizer
+        # hands the loaded groups to its sub-optimizers itself, so it still loads.
+        keep_state = not scaffolded and not _creates_own_state(self.optimizer)
         if scaffolded:
             state = self._state_scaffold(inner_groups, min(steps) if steps else None)
             per_param_step = _counts_steps_per_param(self.optimizer)
         else:
             # Reusing the existing tensors avoids reallocating (and fragmenting) memory.
-            state = self.optimizer.state_dict()["state"]
-            per_param_step = any("step" in entry for entry in state.values())
+            state = None if keep_state else self.optimizer.state_dict()["state"]
+            entries = self.optimizer.state.values() if keep_state else state.values()
+            per_param_step = any("step" in entry for entry in entries)
         if per_param_step and len(steps) > 1:
             raise ValueError(f"the checkpoint's param groups disagree on the step: {sorted(steps)}")
 
-        fused_adam_state_load.load_fused_adam_state_dict(
-            self.optimizer,
-            {"state": state, "param_groups": groups},
-            release_incoming=scaffolded,
-            precision_aware=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            is_hybrid=_creates_own_state(self.optimizer),
-            is_fsdp=False,
-            is_stub=False,
-        )
+        if keep_state:
+            fused_adam_state_load.load_param_groups_keeping_state(self.optimizer, groups)
+        else:
+            fused_adam_state_load.load_fused_adam_state_dict(
+                self.optimizer,
+                {"state": state, "param_groups": groups},
+                release_incoming=scaffolded,
+                precision_aware=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                is_hybrid=_creates_own_state(self.optimizer),
+                is_fsdp=False,
+                is_stub=False,
+            )
         del state
         if len(steps) == 1:
             self.inner_state.set_step(int(steps.pop()))

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 ADOPT = "adopt"
 MATERIALISE = "materialise"
 FALLBACK = "fallback"
+KEEP = "keep"
 
 MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
 MASTER_NAME = "master_param"
@@ -518,6 +519,30 @@ def _adoption_blocker(
             if not value.is_contiguous():
                 return f"{name} of parameter {key!r} is not contiguous: materialised once"
     return None
+
+
+def load_param_groups_keeping_state(optimizer: Any, saved_groups: Sequence[Mapping]) -> LoadPlan:
+    """Loads the saved parameter groups and keeps every state tensor the optimizer holds.
+
+    For a load over state that is already allocated as the optimizer keeps it (the second pass
+    of a dist-checkpoint load, whose values come from the parameter state next): reading that
+    state back through ``optimizer.state_dict()`` to load it again would, for TE FusedAdam with
+    precision-aware state, allocate an fp32 copy of every state tensor and then a new set in
+    the stored dtypes. The groups are merged as :func:`load_fused_adam_state_dict` merges them
+    (hyperparameters and ``"step"`` from the saved groups, ``"params"`` the optimizer's own);
+    the caller has checked that they pair up. Logs on rank 0 like the other paths.
+
+    Args:
+        optimizer: The inner (torch) optimizer, with state for its parameters.
+        saved_groups: The saved parameter groups, in the optimizer's group order.
+
+    Returns:
+        LoadPlan: The ``"keep"`` path.
+    """
+    plan = LoadPlan(KEEP, "state already allocated: parameter groups loaded, state tensors kept")
+    _log_plan(optimizer, plan)
+    optimizer.param_groups = _merged_param_groups(optimizer, saved_groups)
+    return plan
 
 
 def _merged_param_groups(optimizer: Any, saved_groups: Sequence[Mapping]) -> List[Dict]:
