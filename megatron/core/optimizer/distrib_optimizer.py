@@ -719,28 +719,27 @@ class DistributedOptimizer(
         groups = self._pair_saved_param_groups(saved_groups, inner_groups)
         steps = {group["step"] for group in groups if group.get("step") is not None}
 
-        hybrid = _creates_own_state(self.optimizer)
-        if not self.optimizer.state and hybrid:
+        if not self.optimizer.state and _creates_own_state(self.optimizer):
             self.inner_state.materialise()
         scaffolded = not self.optimizer.state
+        # State already allocated (the second pass of a dist-checkpoint load, or a load over a
+        # trained optimizer) keeps its tensors: the parameter state fills them next, and a
+        # round trip through the optimizer's state_dict would copy every state tensor (TE
+        # FusedAdam's precision-aware state comes back as fp32). The HybridDeviceOptimizer
+        # hands the loaded groups to its sub-optimizers itself, so it still loads.
+        keep_state = not scaffolded and not _creates_own_state(self.optimizer)
         if scaffolded:
             state = self._state_scaffold(inner_groups, min(steps) if steps else None)
             per_param_step = _counts_steps_per_param(self.optimizer)
-        elif hybrid:
-            # The HybridDeviceOptimizer hands the loaded groups to its sub-optimizers itself.
-            state = self.optimizer.state_dict()["state"]
-            per_param_step = any("step" in entry for entry in state.values())
         else:
-            # State already allocated (the second pass of a dist-checkpoint load, or a load
-            # over a trained optimizer) keeps its tensors: the parameter state fills them next,
-            # and a round trip through the optimizer's state_dict would copy every state tensor
-            # (TE FusedAdam's precision-aware state comes back as fp32).
-            state = None
-            per_param_step = any("step" in entry for entry in self.optimizer.state.values())
+            # Reusing the existing tensors avoids reallocating (and fragmenting) memory.
+            state = None if keep_state else self.optimizer.state_dict()["state"]
+            entries = self.optimizer.state.values() if keep_state else state.values()
+            per_param_step = any("step" in entry for entry in entries)
         if per_param_step and len(steps) > 1:
             raise ValueError(f"the checkpoint's param groups disagree on the step: {sorted(steps)}")
 
-        if state is None:
+        if keep_state:
             fused_adam_state_load.load_param_groups_keeping_state(self.optimizer, groups)
         else:
             fused_adam_state_load.load_fused_adam_state_dict(
@@ -748,7 +747,7 @@ class DistributedOptimizer(
                 {"state": state, "param_groups": groups},
                 release_incoming=scaffolded,
                 precision_aware=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                is_hybrid=hybrid,
+                is_hybrid=_creates_own_state(self.optimizer),
                 is_fsdp=False,
                 is_stub=False,
             )
