@@ -325,7 +325,8 @@ def test_dummy_step_materialises_state_and_changes_nothing(fraction, inner):
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_state_written_into_state_from_outside_is_adopted(fraction):
     """Megatron's distributed optimizer loads ``param_state`` by assigning tensors straight
-    into ``optimizer.state[p][key]`` (flat fp32 host slices); the next step must use them."""
+    into ``optimizer.state[p][key]`` (flat fp32 host slices); the next step must use them,
+    and the sub-optimizer must hold them (in the inner tensor's shape) from then on."""
     params = make_params(torch.bfloat16)
     optimizer = make_optimizer(params, fraction)
     train(params, optimizer, 3, seed=1)
@@ -339,7 +340,6 @@ def test_state_written_into_state_from_outside_is_adopted(fraction):
     resumed_params = make_params(torch.bfloat16, seed=5)
     resumed = make_optimizer(resumed_params, fraction)
     resumed.dummy_step()
-    live = {p: dict(resumed.state[p]) for p in resumed_params}
     copy_params(resumed_params, saved_params)
     for param, source in zip(resumed_params, params):
         for key, value in saved[source].items():
@@ -347,9 +347,12 @@ def test_state_written_into_state_from_outside_is_adopted(fraction):
     train(resumed_params, resumed, 2, seed=2)
     assert_equal_params(resumed_params, params)
     for param in resumed_params:
+        inner = resumed.param_to_inner_param[param]
+        owner = [o for o in resumed.sub_optimizers if inner in o.state]
+        assert len(owner) == 1 and owner[0].state[inner] is resumed.state[param]
         for key in ("exp_avg", "exp_avg_sq"):
-            assert resumed.state[param][key] is live[param][key]
-        assert resumed.state[param]["master_param"] is resumed.param_to_inner_param[param]
+            assert resumed.state[param][key].shape == inner.shape
+        assert resumed.state[param]["master_param"] is inner
 
 
 def _state_snapshot(optimizer):

@@ -14,16 +14,24 @@ its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_f
 16-bit ``p``), or ``p`` itself. ``param_to_inner_param`` is that map; step, save and load all
 go through it, so loaded state is cast once, on the device and in the dtype of the inner
 tensor, and the sub-optimizers, host copies and gradient buffers live as long as the
-optimizer does.
+optimizer does. ``state[p]`` is the very dict the sub-optimizer steps for the inner tensor
+(see :mod:`hybrid_optimizer_state`), so clients that move or reassign state move the real
+thing.
 """
 
 import contextlib
 import dataclasses
-from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
+    MASTER,
+    ParamState,
+    StateChanges,
+    StateMap,
+    placed,
+)
 from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step
 
 # Lets tests and tools tell this implementation from upstream's.
@@ -41,8 +49,6 @@ _HDO_OPTIONS = (
     "pin_cpu_params",
     "overlap_cpu_optimizer_d2h_h2d",
 )
-
-_MASTER = "master_param"
 
 # Fewest elements a host sub-optimizer steps: about 1 ms of fused host AdamW, so small
 # parameters share a call (each call costs ~0.1 ms of Python) while large ones keep their
@@ -78,6 +84,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "_buckets",
         "_ring",
         "_ring_plan",
+        "_entries",
     }
 )
 
@@ -85,6 +92,12 @@ _BUILT_ON_FIRST_USE = frozenset(
 def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
     """The entries of a param group that a sub-optimizer should follow."""
     return {k: v for k, v in group.items() if k not in ("params", "step") + _HDO_OPTIONS}
+
+
+def _param_generator(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    """The parameters of ``optimizer``, group by group."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
 
 
 def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -240,8 +253,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Placement and sub-optimizers are built on first use (see __getattr__), so a wrapper
         # that regroups the parameters first never allocates for the groups it replaces.
         self._d2h_stream, self._h2d_stream = self._make_streams()
-        self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state)
-        self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state)
+        # D2H event of each host sub-optimizer whose gradients are on their way (in a step).
+        self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
+        self._state_changes = StateChanges()
+        self.state = StateMap(self._entry_of)
+        self._register_load_state_dict_hooks()
 
     # ------------------------------------------------------------------ placement
 
@@ -262,6 +278,48 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._build_sub_optimizers()
         finally:
             self._building = False
+
+    def _init_sub_optimizers(self):
+        """Build the placement and the sub-optimizers if they are not built yet.
+
+        They are built once per optimizer: host copies, gradient slots and sub-optimizers live
+        as long as it does, and the sub-optimizers' state is the state ``self.state`` shows, so
+        there is nothing to rebuild after a load (follow with
+        ``_sync_hdo_state_to_sub_optimizers`` after writing ``self.state`` wholesale).
+        """
+        self._ensure_built()
+
+    def _get_sub_optimizer_param_groups(self, offload_fraction: float):
+        """The host and in-place groups and the copy maps of the placement.
+
+        Args:
+            offload_fraction: must be the optimizer's own; the placement is made once.
+
+        Returns:
+            ``(cpu_param_groups, gpu_param_groups, gpu_params_map_cpu_copy,
+            cpu_copys_map_gpu_param, param_to_fp32_param)``.
+
+        Raises:
+            ValueError: for another fraction than the one the optimizer was placed with.
+        """
+        if offload_fraction != self.offload_fraction:
+            raise ValueError(
+                f"HybridDeviceOptimizer is placed once, with offload_fraction="
+                f"{self.offload_fraction}; build another optimizer for {offload_fraction}"
+            )
+        return (
+            self.cpu_param_groups,
+            self.gpu_param_groups,
+            self.gpu_params_map_cpu_copy,
+            self.cpu_copys_map_gpu_param,
+            self.param_to_fp32_param,
+        )
+
+    def _entry_of(self, param) -> Optional[ParamState]:
+        """The state dict shared by ``param`` and its sub-optimizer (None for other keys)."""
+        if not isinstance(param, torch.Tensor):
+            return None
+        return self._entries.get(param)
 
     def replace_param_groups(self, param_groups: Iterable[Dict[str, Any]]):
         """Regroup the parameters before any state exists, without building anything twice.
@@ -381,6 +439,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._sub_groups.append((sub_group, group_of_inner[sub_group["params"][0]]))
                 for inner in sub_group["params"]:
                     self._owner[inner] = optimizer
+        # One state dict per parameter, which the sub-optimizer steps and ``state`` shows.
+        self._entries: Dict[torch.Tensor, ParamState] = {}
+        for param, inner in self.param_to_inner_param.items():
+            owner = self._owner[inner]
+            entry = ParamState(param, inner, owner, self.param_update_in_fp32, self._state_changes)
+            owner.state[inner] = entry
+            self._entries[param] = entry
         self._plan_grad_ring()
 
     def _plan_grad_ring(self):
@@ -501,11 +566,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return list(self.cpu_optimizers)
         return self.cpu_optimizers + [self.gpu_optimizer]
 
-    def _slots(self) -> Iterable[Tuple[torch.Tensor, torch.Tensor, torch.optim.Optimizer]]:
-        """(public parameter, inner tensor, sub-optimizer stepping it) for every parameter."""
-        for param, inner in self.param_to_inner_param.items():
-            yield param, inner, self._owner[inner]
-
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
@@ -521,19 +581,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._ensure_built()
         self._sync_hdo_param_groups_to_sub_optimizers()
-        self._sync_hdo_state_to_sub_optimizers()
+        self._settle_state_written_outside()
         self._allocate_ring()
-        for param, clone in self._clones_in_place:
-            grad = _grad_of(param)
-            clone.grad = None if grad is None else grad.to(torch.float32)
-        # torch and TE optimizers read ``grad``; the precision-aware distributed optimizer
-        # leaves fp32 shards their gradient in ``decoupled_grad`` only, so lend it for the step.
-        lent = []
-        for param in self._stepped_as_is:
-            decoupled = getattr(param, "decoupled_grad", None)
-            if decoupled is not None and param.grad is None:
-                param.grad = decoupled.to(param.dtype)
-                lent.append(param)
+        lent = self._set_sub_optimizer_grads()
         for stream in (self._d2h_stream, self._h2d_stream):
             if stream is not None:  # the gradients and parameters are the current stream's
                 stream.wait_stream(torch.cuda.current_stream())
@@ -542,11 +592,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # D2H -> host step -> H2D, one bucket after the other. A bucket's slot is free again
         # once its host step has returned (the upload reads the host copy, not the slot), so
         # that is when the download of the bucket that reuses the slot is queued.
-        downloads = {index: self._download(index) for index in self._ring_plan.first_downloads}
+        for index in self._ring_plan.first_downloads:
+            self._download(index)
         if self.gpu_optimizer is not None:
             self.gpu_optimizer.step()
-        for index, bucket in enumerate(self._buckets):
-            event = downloads.pop(index, None)
+        for bucket in self._buckets:
+            event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
             if event is not None:
                 event.synchronize()
             bucket.optimizer.step()
@@ -556,7 +607,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     stepped.append((host, param))
                     host.grad = None  # the slot is about to hold another bucket's gradients
             if bucket.follower is not None:
-                downloads[bucket.follower] = self._download(bucket.follower)
+                self._download(bucket.follower)
             self._upload(stepped, staged_in_slot=bucket.follower is None)
         for param, clone in self._clones_in_place:
             param.data.copy_(clone)
@@ -569,13 +620,42 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._h2d_stream.synchronize()
 
         self._mirror_group_steps(steps_before)
-        self._sync_sub_optimizers_state_to_hdo()
+        self._list_created_state()
         return loss
 
+    def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
+        """Give the inner tensors stepped in place their gradients for this step.
+
+        fp32 clones get the widened gradient. torch and TE optimizers read ``grad``, while the
+        precision-aware distributed optimizer leaves fp32 shards their gradient in
+        ``decoupled_grad`` only, so parameters stepped as they are borrow it. The host
+        sub-optimizers' gradients are downloaded bucket by bucket during the step, into the
+        ring's slots (``_download``).
+
+        Returns:
+            The parameters that borrowed a gradient, to be cleared after the step.
+        """
+        for param, clone in self._clones_in_place:
+            grad = _grad_of(param)
+            clone.grad = None if grad is None else grad.to(torch.float32)
+        lent = []
+        for param in self._stepped_as_is:
+            decoupled = getattr(param, "decoupled_grad", None)
+            if decoupled is not None and param.grad is None:
+                param.grad = decoupled.to(param.dtype)
+                lent.append(param)
+        return lent
+
+    def _register_param_copy_back_gpu_hook(self):
+        """Nothing to register: ``step`` uploads each host bucket itself, as soon as it is
+        stepped, and copies the fp32 clones back after the in-place step."""
+
     def _download(self, index: int):
-        """Queue the D2H of bucket ``index``'s gradients into its slot; return its event."""
+        """Queue the D2H of bucket ``index``'s gradients into its slot and note its event in
+        ``_cpu_optimizer_map_data_event`` (where CUDA exists)."""
+        bucket = self._buckets[index]
         with _on_stream(self._d2h_stream):
-            for host, param, _ in self._buckets[index].grads:
+            for host, param, _ in bucket.grads:
                 grad = _grad_of(param)
                 if grad is None:
                     host.grad = None
@@ -585,7 +665,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
                 staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
                 host.grad = staged
-            return None if self._d2h_stream is None else self._d2h_stream.record_event()
+            if self._d2h_stream is not None:
+                self._cpu_optimizer_map_data_event[bucket.optimizer] = (
+                    self._d2h_stream.record_event()
+                )
 
     def _upload(self, stepped: List[Tuple[torch.Tensor, torch.Tensor]], staged_in_slot: bool):
         """Queue the H2D of the host copies just stepped into their parameters.
@@ -632,49 +715,102 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if "step" in self.param_groups[index]:
                 sub_group["step"] = self.param_groups[index]["step"]
 
+    def _list_created_state(self):
+        """Show in ``self.state`` the entries that got state since the last look (the
+        sub-optimizers' first step creates it), with their ``master_param``."""
+        created = self._state_changes.created
+        if not created:
+            return
+        for entry in created:
+            self._list_entry(entry)
+        created.clear()
+
+    def _list_entry(self, entry: ParamState):
+        if not entry:
+            return
+        if entry.keeps_master and MASTER not in entry:
+            dict.__setitem__(entry, MASTER, entry.inner)
+        if dict.get(self.state, entry.param) is not entry:
+            dict.__setitem__(self.state, entry.param, entry)
+
     def _sync_sub_optimizers_state_to_hdo(self):
-        """Make ``self.state[p]`` show the tensors the sub-optimizer keeps for ``p``."""
-        for param, inner, optimizer in self._slots():
-            inner_state = optimizer.state.get(inner)
-            if not inner_state:
-                continue
-            entry = self.state[param]
-            for key, value in inner_state.items():
-                if entry.get(key) is not value:
-                    entry[key] = value
-            if self.param_update_in_fp32:
-                entry[_MASTER] = inner
+        """Show every parameter's state in ``self.state``: its one entry, shared with the
+        sub-optimizer, listed once it holds state."""
+        if not isinstance(self.state, StateMap):
+            self.state = StateMap(self._entry_of)
+        for entry in self._entries.values():
+            self._list_entry(entry)
+        self._state_changes.created.clear()
+
+    def _settle_state_written_outside(self):
+        """Before a step: take home the state that clients left elsewhere.
+
+        Entries parked on the host go back to their accelerator; a ``state`` replaced as a
+        whole is adopted. Nothing is scanned when neither happened.
+        """
+        if not isinstance(self.state, StateMap):
+            self._sync_hdo_state_to_sub_optimizers()
+            return
+        parked = self._state_changes.parked
+        for entry in parked.values():
+            entry.settle()
+        parked.clear()
 
     def _sync_hdo_state_to_sub_optimizers(self):
-        """Adopt state that was written into ``self.state`` from outside.
+        """Make what ``self.state`` shows the state that is stepped, wherever it was written.
 
-        Megatron's distributed optimizer assigns loaded tensors straight into
-        ``optimizer.state[p][key]``. Each such value is copied into the tensor the
-        sub-optimizer already keeps (cast on copy, no new allocation), or moved to the
-        inner tensor's device when there is none yet; a ``master_param`` is copied into the
-        inner tensor itself.
+        Assignments into ``self.state[p]`` reach the sub-optimizer by themselves (it is the
+        same dict); this adopts what bypassed them: a ``state`` mapping or a per-parameter dict
+        replaced as a whole, or a sub-optimizer's entry replaced. Then every ``master_param``
+        is written into its inner tensor and every state tensor is moved home.
         """
-        for param, inner, optimizer in self._slots():
-            entry = self.state.get(param)
-            if not entry:
-                continue
-            inner_state = optimizer.state[inner]
-            for key, value in list(entry.items()):
-                if value is (inner if key == _MASTER else inner_state.get(key)):
-                    continue  # the common case: nothing was written from outside
-                settled = self._settle(inner, optimizer, inner_state.get(key), key, value)
-                entry[key] = settled
-                if key != _MASTER:
-                    inner_state[key] = settled
-            if _MASTER in entry and not self.param_update_in_fp32:
-                del entry[_MASTER]
+        shown = self.state
+        replaced = not isinstance(shown, StateMap)
+        if replaced:
+            self.state = StateMap(self._entry_of)
+        for param, entry in self._entries.items():
+            value = dict.get(shown, param) if isinstance(shown, dict) else shown.get(param)
+            if value is not None and value is not entry:
+                entry.refill(value)
+            elif replaced and value is None:
+                dict.clear(entry)
+            if entry.optimizer.state.get(entry.inner) is not entry:
+                entry.optimizer.state[entry.inner] = entry
+        self._sync_sub_optimizers_state_to_hdo()
+        self._update_fp32_params_by_new_state()
+        self._move_new_state_to_right_device()
+
+    @torch.no_grad()
+    def _update_fp32_params_by_new_state(self):
+        """Write each entry's ``master_param`` into the inner tensor it stands for, where
+        something other than that tensor was put there, and show the inner tensor again."""
+        if not self.param_update_in_fp32:
+            return
+        for entry in self._entries.values():
+            master = dict.get(entry, MASTER)
+            if isinstance(master, torch.Tensor) and master is not entry.inner:
+                entry.inner.copy_(master.reshape(entry.inner.shape))
+                dict.__setitem__(entry, MASTER, entry.inner)
+
+    def _move_new_state_to_right_device(self):
+        """Move every state tensor to where its inner tensor keeps it.
+
+        Host copies' state goes to the host, the state of tensors stepped in place to their
+        device, decided by where each inner tensor lives; the dtype becomes the one the
+        sub-optimizer keeps it in. State already home is left as it is, so nothing is
+        allocated on the accelerator for host-resident state.
+        """
+        for entry in self._entries.values():
+            entry.settle()
+        self._state_changes.parked.clear()
 
     @torch.no_grad()
     def _settle(self, inner, optimizer, live, key, value):
-        """Return the tensor that keeps ``value`` for ``inner`` from now on."""
+        """Return the tensor that keeps a loaded ``value`` for ``inner`` from now on: the live
+        tensor, written in place, where one of the same size exists."""
         if not isinstance(value, torch.Tensor):
             return value
-        if key == _MASTER:
+        if key == MASTER:
             if value is not inner:
                 inner.copy_(value.reshape(inner.shape))
             return inner
@@ -682,13 +818,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if live is not value:
                 live.copy_(value.reshape(live.shape))
             return live
-        if key == "step":
-            group = optimizer.param_groups[0]
-            if group.get("fused") or group.get("capturable"):
-                return value.to(device=inner.device, dtype=torch.float32)
-            return value
-        dtype = inner.dtype if value.is_floating_point() else value.dtype
-        return value.to(device=inner.device, dtype=dtype)
+        return placed(inner, optimizer, key, value)
 
     @torch.no_grad()
     def update_fp32_param_by_new_param(self):
@@ -766,20 +896,37 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _adopt_loaded_state(self):
         """Load post-hook: install the settled state into the same sub-optimizers."""
         loaded = self.__dict__.pop("_loaded_state", {})
-        self.state = defaultdict(dict)
-        for param, inner, optimizer in self._slots():
-            entry = loaded.get(param)
-            if entry is None:
-                optimizer.state.pop(inner, None)
-                continue
-            optimizer.state[inner] = {k: v for k, v in entry.items() if k != _MASTER}
-            if self.param_update_in_fp32:
-                entry[_MASTER] = inner
-            else:
-                entry.pop(_MASTER, None)
-            self.state[param] = entry
+        self.state = StateMap(self._entry_of)
+        for param, entry in self._entries.items():
+            values = loaded.get(param, {})
+            values.pop(MASTER, None)  # already written into the inner tensor
+            dict.clear(entry)
+            dict.update(entry, values)
+            entry.optimizer.state[entry.inner] = entry
+            self._list_entry(entry)
+        self._state_changes.created.clear()
+        self._state_changes.parked.clear()
         self._sync_hdo_param_groups_to_sub_optimizers()
         self._hand_back_group_steps()
+
+    @staticmethod
+    def _state_as_plain_dicts(self, state_dict):
+        """State-dict post-hook: each parameter's state as a plain dict of its own, so that a
+        checkpoint holds no class of this module and later changes to it leave the live state
+        alone."""
+        state_dict["state"] = {key: dict(entry) for key, entry in state_dict["state"].items()}
+        return state_dict
+
+    def _register_load_state_dict_hooks(self):
+        """Register the checkpoint hooks (once): loads cast each entry where its inner tensor
+        lives, and saved state is made of plain dicts."""
+        if getattr(self, "_checkpoint_hooks", None) is not None:
+            return
+        self._checkpoint_hooks = (
+            self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state),
+            self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state),
+            self.register_state_dict_post_hook(HybridDeviceOptimizer._state_as_plain_dicts),
+        )
 
     # ------------------------------------------------------------------ misc API
 

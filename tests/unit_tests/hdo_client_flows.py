@@ -1,0 +1,76 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""What RL frameworks do with a HybridDeviceOptimizer's state between training phases.
+
+Each function plays one client's part on ``optimizer.state`` the way those frameworks write
+it (verl and SkyRL move tensors by reassignment, megatron-core's ``offload_to_cpu`` and
+``restore_from_cpu`` do the same through the wrapping optimizer), so the tests can check that
+the optimizer moves the state it steps. Works with upstream's HDO as with the fork's.
+
+Imported as ``hdo_client_flows`` (pytest puts this folder on ``sys.path``) or as
+``tests.unit_tests.hdo_client_flows`` from a checkout whose ``tests/`` is a package.
+"""
+
+import torch
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def offload_state_by_reassignment(hdo):
+    """Put every state tensor on the host by assigning ``state[p][key] = t.to("cpu")``."""
+    for entry in hdo.state.values():
+        for key, value in list(entry.items()):
+            if isinstance(value, torch.Tensor):
+                entry[key] = value.to("cpu", non_blocking=True)
+
+
+def reload_moments_to_the_accelerator(hdo, device="cuda"):
+    """Bring the moments back with ``.to(device)`` (what clients do without the HDO's own
+    ``_move_new_state_to_right_device``)."""
+    for entry in hdo.state.values():
+        for key in MOMENTS:
+            if key in entry:
+                entry[key] = entry[key].to(device, non_blocking=True)
+
+
+def reload_state_by_the_hdo(hdo):
+    """Bring the state back with the HDO's ``_move_new_state_to_right_device()``."""
+    hdo._move_new_state_to_right_device()  # pylint: disable=protected-access
+
+
+def accelerator_state_bytes(hdo, keys=None):
+    """Bytes the accelerator allocator holds for ``hdo``'s state tensors.
+
+    Counts each distinct storage once, rounded up to the allocator's 512-byte blocks, and
+    leaves out what is not state of its own: a ``master_param`` that is the tensor the
+    optimizer steps (the parameter or its copy).
+
+    Args:
+        hdo: the optimizer.
+        keys: the state keys to count (all by default).
+    """
+    inner_of = getattr(hdo, "param_to_inner_param", {})
+    seen = {}
+    for param, entry in hdo.state.items():
+        stepped = {id(param), id(inner_of.get(param, param))}
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor) or not value.is_cuda:
+                continue
+            if id(value) in stepped or (keys is not None and key not in keys):
+                continue
+            storage = value.untyped_storage()
+            seen[storage.data_ptr()] = -(-storage.nbytes() // 512) * 512
+    return sum(seen.values())
+
+
+def misplaced_state(hdo):
+    """``(key, state device, inner device)`` of every non-step state tensor that is not on
+    the device of the tensor the optimizer steps for it."""
+    inner_of = getattr(hdo, "param_to_inner_param", {})
+    found = []
+    for param, entry in hdo.state.items():
+        inner = inner_of.get(param, param)
+        for key, value in entry.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                if value.device != inner.device:
+                    found.append((key, str(value.device), str(inner.device)))
+    return found
