@@ -45,7 +45,7 @@ def _pinned_bytes():
     return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
 
 
-def build(fraction, seed):
+def build(fraction, seed, precision_aware=True, hidden=HIDDEN):
     """A DDP-wrapped bf16 model and its offloading distributed optimizer."""
     # pylint: disable=import-outside-toplevel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -59,12 +59,12 @@ def build(fraction, seed):
         def __init__(self, config):
             super().__init__(config)
             self.layers = torch.nn.Sequential(
-                torch.nn.Linear(HIDDEN, 2 * HIDDEN),
+                torch.nn.Linear(hidden, 2 * hidden),
                 torch.nn.GELU(),
-                torch.nn.Linear(2 * HIDDEN, HIDDEN),
+                torch.nn.Linear(2 * hidden, hidden),
                 torch.nn.GELU(),
-                torch.nn.Linear(HIDDEN, HIDDEN),
-                torch.nn.Linear(HIDDEN, HIDDEN, bias=False),
+                torch.nn.Linear(hidden, hidden),
+                torch.nn.Linear(hidden, hidden, bias=False),
             )
 
         def forward(self, x):  # pylint: disable=missing-function-docstring
@@ -73,14 +73,16 @@ def build(fraction, seed):
     torch.manual_seed(seed)
     config = TransformerConfig(
         num_layers=1,
-        hidden_size=HIDDEN,
+        hidden_size=hidden,
         num_attention_heads=1,
         bf16=True,
         params_dtype=torch.bfloat16,
     )
     module = TinyModel(config).cuda().to(torch.bfloat16)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, bucket_size=8192
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        bucket_size=max(8192, hidden * hidden),
     )
     model = DistributedDataParallel(config, ddp_config, module)
     optimizer = get_megatron_optimizer(
@@ -93,7 +95,7 @@ def build(fraction, seed):
             use_distributed_optimizer=True,
             optimizer_cpu_offload=True,
             optimizer_offload_fraction=fraction,
-            use_precision_aware_optimizer=True,
+            use_precision_aware_optimizer=precision_aware,
             clip_grad=1.0,
         ),
         [model],
@@ -101,10 +103,10 @@ def build(fraction, seed):
     return model, optimizer
 
 
-def batches(count, seed):
+def batches(count, seed, hidden=HIDDEN):
     generator = torch.Generator(device="cuda").manual_seed(seed)
     return [
-        torch.randn(16, HIDDEN, generator=generator, device="cuda", dtype=torch.bfloat16)
+        torch.randn(16, hidden, generator=generator, device="cuda", dtype=torch.bfloat16)
         for _ in range(count)
     ]
 

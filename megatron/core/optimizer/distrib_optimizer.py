@@ -917,6 +917,47 @@ class DistributedOptimizer(
             member_start = member_end
         return list(members), pieces, offsets
 
+    # ------------------------------------------------------------------ offload between phases
+
+    def _params_with_own_memory(self) -> List[torch.Tensor]:
+        """The inner optimizer's parameters that hold memory of their own (fp32 main copies),
+        not the views of model parameters that fp32 and precision-aware shards are."""
+        return [
+            param
+            for group in self.optimizer.param_groups
+            for param in group["params"]
+            if not param._is_view()
+        ]
+
+    def offload_to_cpu(self):
+        """Move the optimizer's own tensors to the host, freeing accelerator memory between
+        training phases (an RL framework's rollout).
+
+        Main copies and state move. Shards that are views of model parameters stay: their
+        memory is the model's, and a moved view would no longer update its parameter. An inner
+        HybridDeviceOptimizer's offloaded state stays where it is.
+        """
+        if self.is_stub_optimizer:
+            return
+        log_single_rank(logger, logging.INFO, "[OFFLOAD] moving optimizer state to CPU")
+        for param in self._params_with_own_memory():
+            if param.is_cuda:
+                param.data = param.data.cpu()
+        self.inner_state.offload()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def restore_from_cpu(self):
+        """Bring back what :meth:`offload_to_cpu` moved, each state tensor to where the inner
+        optimizer keeps it (host-resident state of a HybridDeviceOptimizer stays on the host)."""
+        if self.is_stub_optimizer:
+            return
+        log_single_rank(logger, logging.INFO, "[RESTORE] moving optimizer state back to GPU")
+        for param in self._params_with_own_memory():
+            if not param.is_cuda:
+                param.data = param.data.cuda()
+        self.inner_state.restore()
+
     # ------------------------------------------------------------------ gradients and params
 
     def zero_grad(self, set_to_none: bool = True):

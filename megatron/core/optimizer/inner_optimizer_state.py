@@ -7,8 +7,8 @@ optimizers keep these in different places: torch's Adam family in ``state[p]`` w
 per-parameter ``step`` tensor; TE/Apex FusedAdam in ``state[p]`` with the step in
 ``param_group["step"]``, scaled and in lower precision when precision-aware; the
 HybridDeviceOptimizer behind its ``master_param`` entries. :class:`InnerOptimizerState`
-hides those differences behind five operations, chosen by what the optimizer offers
-rather than by its class.
+hides those differences behind a few operations (materialise, read, write, step counter,
+retarget, offload and restore), chosen by what the optimizer offers rather than by its class.
 """
 
 from typing import Dict, Iterator, Optional, Sequence
@@ -232,6 +232,27 @@ class InnerOptimizerState:
         if not keeps_per_param:
             for group in self.optimizer.param_groups:
                 group["step"] = step
+
+    def offload(self) -> None:
+        """Move every accelerator state tensor to the host, by assignment into ``state`` (an
+        offloading optimizer's host-resident state is there already and stays as it is)."""
+        for entry in self.optimizer.state.values():
+            for key, value in list(entry.items()):
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    entry[key] = value.cpu()
+
+    def restore(self) -> None:
+        """Bring offloaded state back: where the optimizer keeps each tensor, when it can say
+        (the HybridDeviceOptimizer's ``_move_new_state_to_right_device`` leaves host-resident
+        state on the host), else every host tensor onto the current CUDA device."""
+        move_home = getattr(self.optimizer, "_move_new_state_to_right_device", None)
+        if move_home is not None:
+            move_home()
+            return
+        for entry in self.optimizer.state.values():
+            for key, value in list(entry.items()):
+                if isinstance(value, torch.Tensor) and not value.is_cuda:
+                    entry[key] = value.cuda()
 
     def finish_load(self) -> None:
         """Let the optimizer adopt state written from outside (the HDO re-syncs its
