@@ -10,6 +10,9 @@ Imported as ``hdo_client_flows`` (pytest puts this folder on ``sys.path``) or as
 ``tests.unit_tests.hdo_client_flows`` from a checkout whose ``tests/`` is a package.
 """
 
+import contextlib
+import gc
+
 import torch
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -74,3 +77,21 @@ def misplaced_state(hdo):
                 if value.device != inner.device:
                     found.append((key, str(value.device), str(inner.device)))
     return found
+
+
+@contextlib.contextmanager
+def measured_memory():
+    """Collect garbage first and hold the collector off inside, so that accelerator memory
+    read in the block moves only with what the block itself does."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def allocated():
+    """Accelerator bytes allocated once pending work is done."""
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()

@@ -77,11 +77,6 @@ ROUND_TRIPS = {
 FLOWS = sorted(ROUND_TRIPS) + ["patched_master_update+sync_after_load"]
 
 
-def allocated():
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
-
-
 def record(case, **figures):
     """Append the case's figures to ``HDO_FLOW_RESULTS``, if set."""
     path = os.environ.get("HDO_FLOW_RESULTS")
@@ -105,11 +100,12 @@ def _round_trip(case, flow, fraction, precision_aware):
     train(twin_model, twin, data)
     offload, reload, keys = ROUND_TRIPS[flow]
     in_place, brought_back = state_bytes(optimizer), state_bytes(optimizer, keys)
-    before = allocated()
-    offload(optimizer)
-    offloaded = allocated()
-    reload(optimizer)
-    reloaded = allocated()
+    with flows.measured_memory():
+        before = flows.allocated()
+        offload(optimizer)
+        offloaded = flows.allocated()
+        reload(optimizer)
+        reloaded = flows.allocated()
     figures = dict(
         in_place_state=in_place,
         freed_by_offload=before - offloaded,
@@ -143,12 +139,14 @@ def _resume_with_patched_master_update(case, fraction, precision_aware, folder, 
         fraction, seed=11, precision_aware=precision_aware, hidden=HIDDEN
     )
     load_dist(resumed_model, resumed, folder, "dp_reshardable")
-    before = allocated()
-    for hdo in hdos_of(resumed):
-        hdo._sync_hdo_state_to_sub_optimizers()  # pylint: disable=protected-access
+    with flows.measured_memory():
+        before = flows.allocated()
+        for hdo in hdos_of(resumed):
+            hdo._sync_hdo_state_to_sub_optimizers()  # pylint: disable=protected-access
+        synced = flows.allocated()
     figures = dict(
         in_place_state=state_bytes(resumed),
-        added_by_sync=allocated() - before,
+        added_by_sync=synced - before,
         patched_update_called=bool(calls),
     )
     record(case, **figures)

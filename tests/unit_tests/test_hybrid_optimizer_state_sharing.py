@@ -234,7 +234,7 @@ def test_a_class_level_master_update_and_sync_after_a_load_resume_exactly(fracti
         for target, source in zip(resumed_params, saved_params):
             target.copy_(source)
     buffer.seek(0)
-    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    resumed.load_state_dict(torch.load(buffer, weights_only=False))  # upstream's has classes
     resumed._sync_hdo_state_to_sub_optimizers()  # pylint: disable=protected-access
     assert calls and calls[-1] is resumed
     assert_same_training([(params, optimizer), (resumed_params, resumed)])
@@ -288,21 +288,20 @@ def test_a_round_trip_frees_the_in_place_state_and_puts_nothing_host_resident_on
     fraction, flow
 ):
     (params, optimizer), twin_pair = twins(fraction)
-    torch.cuda.synchronize()
     in_place = flows.accelerator_state_bytes(optimizer)
     in_place_moments = flows.accelerator_state_bytes(optimizer, flows.MOMENTS)
-    before = torch.cuda.memory_allocated()
-    flows.offload_state_by_reassignment(optimizer)
-    torch.cuda.synchronize()
-    offloaded = torch.cuda.memory_allocated()
+    by_the_hdo = flow.endswith("by_the_hdo")
+    with flows.measured_memory():
+        before = flows.allocated()
+        flows.offload_state_by_reassignment(optimizer)
+        offloaded = flows.allocated()
+        if by_the_hdo:
+            flows.reload_state_by_the_hdo(optimizer)
+        else:
+            flows.reload_moments_to_the_accelerator(optimizer)
+        reloaded = flows.allocated()
     assert before - offloaded == in_place
-    if flow.endswith("by_the_hdo"):
-        flows.reload_state_by_the_hdo(optimizer)
-        brought_back = in_place
-    else:
-        flows.reload_moments_to_the_accelerator(optimizer)
-        brought_back = in_place_moments  # the step counters wait on the host for the step
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - offloaded == brought_back
+    # The clients' own reload leaves the step counters on the host until the next step.
+    assert reloaded - offloaded == (in_place if by_the_hdo else in_place_moments)
     assert_same_training([(params, optimizer), twin_pair])
     assert flows.misplaced_state(optimizer) == []
