@@ -41,11 +41,10 @@ def reload_state_by_the_hdo(hdo):
 
 
 def accelerator_state_bytes(hdo, keys=None):
-    """Bytes the accelerator allocator holds for ``hdo``'s state tensors.
+    """Bytes of ``hdo``'s state tensors on the accelerator.
 
-    Counts each distinct storage once, rounded up to the allocator's 512-byte blocks, and
-    leaves out what is not state of its own: a ``master_param`` that is the tensor the
-    optimizer steps (the parameter or its copy).
+    Counts each distinct storage once and leaves out what is not state of its own: a
+    ``master_param`` that is the tensor the optimizer steps (the parameter or its copy).
 
     Args:
         hdo: the optimizer.
@@ -61,7 +60,7 @@ def accelerator_state_bytes(hdo, keys=None):
             if id(value) in stepped or (keys is not None and key not in keys):
                 continue
             storage = value.untyped_storage()
-            seen[storage.data_ptr()] = -(-storage.nbytes() // 512) * 512
+            seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -92,6 +91,7 @@ def measured_memory():
 
 
 def allocated():
-    """Accelerator bytes allocated once pending work is done."""
+    """Accelerator bytes that live tensors asked for, once pending work is done (what the
+    caching allocator hands out can exceed a request by up to a block's slack)."""
     torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
+    return torch.cuda.memory_stats()["requested_bytes.all.current"]
