@@ -18,6 +18,41 @@ import torch
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def build_hdo(hdo_class, shapes, fraction, seed=0, dtype=torch.bfloat16, device="cpu"):
+    """Parameters of ``shapes`` and an HDO over them in two param groups (the second with
+    weight decay), with torch AdamW on both sides as Megatron's factory configures it
+    (``param_update_in_fp32``, ``fused``)."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(device, dtype))
+        for shape in shapes
+    ]
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
+    optimizer = hdo_class(
+        groups,
+        offload_fraction=fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=True,
+    )
+    return params, optimizer
+
+
+def train_params(params, optimizer, steps, seed):
+    """``steps`` steps with gradients drawn from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for param in params:
+            grad = torch.randn(param.shape, generator=generator)
+            param.grad = grad.to(param.device, param.dtype)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def offload_state_by_reassignment(hdo):
     """Put every state tensor on the host by assigning ``state[p][key] = t.to("cpu")``."""
     for entry in hdo.state.values():

@@ -47,34 +47,10 @@ UPSTREAM_MEMBERS = [
 
 
 def make(fraction, seed=0, dtype=torch.bfloat16):
-    """Parameters and an HDO over them, configured as Megatron's factory does."""
-    generator = torch.Generator().manual_seed(seed)
-    params = [
-        torch.nn.Parameter(torch.randn(shape, generator=generator).to(DEVICE, dtype))
-        for shape in SHAPES
-    ]
-    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
-    optimizer = HybridDeviceOptimizer(
-        groups,
-        offload_fraction=fraction,
-        cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW,
-        param_update_in_fp32=True,
-        lr=1e-2,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-        fused=True,
-    )
-    return params, optimizer
+    return flows.build_hdo(HybridDeviceOptimizer, SHAPES, fraction, seed, dtype, DEVICE)
 
 
-def train(params, optimizer, steps, seed):
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        for param in params:
-            param.grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
-        optimizer.step()
-        optimizer.zero_grad()
+train = flows.train_params
 
 
 def twins(fraction, steps=2):
@@ -145,6 +121,29 @@ def test_a_state_replaced_as_a_whole_is_adopted(fraction):
         replaced[param]["exp_avg"].mul_(-1.0)
         twin.state[twin_param]["exp_avg"].mul_(-1.0)
     optimizer.state = replaced
+    assert_same_training(pair)
+    for param in params:
+        assert optimizer.state[param] is stepped_dict(optimizer, param)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_dict_assigned_in_a_sub_optimizer_is_the_parameters_state(fraction):
+    (params, optimizer), (twin_params, twin) = pair = twins(fraction)
+    for param, twin_param in zip(params, twin_params):
+        inner = optimizer.param_to_inner_param[param]
+        owner = [o for o in optimizer.sub_optimizers if inner in o.state][0]
+        owner.state[inner] = {k: v.clone() for k, v in owner.state[inner].items()}
+        owner.state[inner]["exp_avg"].mul_(3.0)
+        assert owner.state[inner] is optimizer.state[param]
+        twin.state[twin_param]["exp_avg"].mul_(3.0)
+    assert_same_training(pair)
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_a_sub_optimizers_own_load_is_adopted_by_the_next_step(fraction):
+    (params, optimizer), _ = pair = twins(fraction)
+    for sub_optimizer in optimizer.sub_optimizers:
+        sub_optimizer.load_state_dict(sub_optimizer.state_dict())
     assert_same_training(pair)
     for param in params:
         assert optimizer.state[param] is stepped_dict(optimizer, param)
@@ -305,3 +304,16 @@ def test_a_round_trip_frees_the_in_place_state_and_puts_nothing_host_resident_on
     assert reloaded - offloaded == (in_place if by_the_hdo else in_place_moments)
     assert_same_training([(params, optimizer), twin_pair])
     assert flows.misplaced_state(optimizer) == []
+
+
+@requires_cuda
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_a_load_over_state_parked_on_the_host_puts_it_home(fraction):
+    (params, optimizer), (twin_params, twin) = twins(fraction)
+    buffer = io.BytesIO()
+    torch.save(twin.state_dict(), buffer)
+    flows.offload_state_by_reassignment(optimizer)
+    buffer.seek(0)
+    optimizer.load_state_dict(torch.load(buffer, weights_only=True))
+    assert flows.misplaced_state(optimizer) == []
+    assert_same_training([(params, optimizer), (twin_params, twin)])

@@ -25,11 +25,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
+from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
     ParamState,
     StateChanges,
     StateMap,
+    home_of,
     placed,
 )
 from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step
@@ -85,6 +87,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "_ring",
         "_ring_plan",
         "_entries",
+        "_entries_by_inner",
     }
 )
 
@@ -257,6 +260,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
         self._state_changes = StateChanges()
         self.state = StateMap(self._entry_of)
+        self._load_guard = checks.LoadGuard(type(self).__name__)
         self._register_load_state_dict_hooks()
 
     # ------------------------------------------------------------------ placement
@@ -439,13 +443,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self._sub_groups.append((sub_group, group_of_inner[sub_group["params"][0]]))
                 for inner in sub_group["params"]:
                     self._owner[inner] = optimizer
-        # One state dict per parameter, which the sub-optimizer steps and ``state`` shows.
+        # One state dict per parameter, which the sub-optimizer steps and ``state`` shows. The
+        # sub-optimizers' ``state`` maps refill the same dicts when a whole dict is assigned.
         self._entries: Dict[torch.Tensor, ParamState] = {}
+        self._entries_by_inner: Dict[torch.Tensor, ParamState] = {}
+        for optimizer in self.sub_optimizers:
+            optimizer.state = StateMap(self._entries_by_inner.get)
         for param, inner in self.param_to_inner_param.items():
             owner = self._owner[inner]
             entry = ParamState(param, inner, owner, self.param_update_in_fp32, self._state_changes)
-            owner.state[inner] = entry
-            self._entries[param] = entry
+            self._entries[param] = self._entries_by_inner[inner] = entry
+            dict.__setitem__(owner.state, inner, entry)
         self._plan_grad_ring()
 
     def _plan_grad_ring(self):
@@ -575,6 +583,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Args:
             closure (Callable, optional): re-evaluates the model and returns the loss.
         """
+        self._load_guard.check("step")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -751,10 +760,29 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if not isinstance(self.state, StateMap):
             self._sync_hdo_state_to_sub_optimizers()
             return
+        for optimizer in self.sub_optimizers:
+            if not isinstance(optimizer.state, StateMap):
+                self._adopt_sub_optimizer_state(optimizer)
         parked = self._state_changes.parked
         for entry in parked.values():
             entry.settle()
         parked.clear()
+
+    def _adopt_sub_optimizer_state(self, optimizer: torch.optim.Optimizer):
+        """Take in a sub-optimizer's ``state`` that was replaced as a whole (its own
+        ``load_state_dict``, say): its dicts refill the shared entries, which it gets back."""
+        replaced = optimizer.state
+        optimizer.state = StateMap(self._entries_by_inner.get)
+        for entry in self._entries.values():
+            if entry.optimizer is not optimizer:
+                continue
+            values = replaced.get(entry.inner)
+            if values is None:
+                dict.clear(entry)
+            elif values is not entry:
+                entry.refill(values)
+            dict.__setitem__(optimizer.state, entry.inner, entry)
+            self._list_entry(entry)
 
     def _sync_hdo_state_to_sub_optimizers(self):
         """Make what ``self.state`` shows the state that is stepped, wherever it was written.
@@ -774,8 +802,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 entry.refill(value)
             elif replaced and value is None:
                 dict.clear(entry)
-            if entry.optimizer.state.get(entry.inner) is not entry:
-                entry.optimizer.state[entry.inner] = entry
+            sub_state = entry.optimizer.state
+            if not isinstance(sub_state, StateMap):
+                entry.optimizer.state = sub_state = StateMap(self._entries_by_inner.get)
+            if dict.get(sub_state, entry.inner) is not entry:
+                dict.__setitem__(sub_state, entry.inner, entry)
         self._sync_sub_optimizers_state_to_hdo()
         self._update_fp32_params_by_new_state()
         self._move_new_state_to_right_device()
@@ -815,9 +846,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 inner.copy_(value.reshape(inner.shape))
             return inner
         if isinstance(live, torch.Tensor) and live.numel() == value.numel():
-            if live is not value:
-                live.copy_(value.reshape(live.shape))
-            return live
+            # A live tensor a client parked away from home is replaced, not written.
+            if (live.device, live.dtype) == home_of(inner, optimizer, key, live):
+                if live is not value:
+                    live.copy_(value.reshape(live.shape))
+                return live
         return placed(inner, optimizer, key, value)
 
     @torch.no_grad()
@@ -829,61 +862,81 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _check_loadable(self, state_dict):
-        """Raise a clear error, before anything changes, if ``state_dict`` does not fit."""
-        name = type(self).__name__
+    def _plan_load(self, state_dict) -> Dict[torch.Tensor, Dict[str, Any]]:
+        """Check everything a load will write, changing nothing; return it per parameter.
+
+        Checked: the state dict's keys, the group and parameter counts, that every entry
+        names a listed parameter, that all entries hold the same state keys (and those the
+        live state has), step counters (whole, finite, non-negative numbers; numbers become
+        tensors, as torch's Adam makes them), state shapes (the parameter's, or flat), and
+        non-finite values in moments and master weights (see ``state_load_checks``).
+
+        Raises:
+            KeyError, ValueError: naming the problem and the parameter's id in the checkpoint.
+        """
+        name = f"{type(self).__name__}.load_state_dict"
         for required in ("state", "param_groups"):
             if required not in state_dict:
-                raise KeyError(f"{name}.load_state_dict: the state dict has no '{required}' key")
+                raise KeyError(f"{name}: the state dict has no '{required}' key")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
-                f"{name}.load_state_dict: the checkpoint has {len(saved_groups)} param groups, "
+                f"{name}: the checkpoint has {len(saved_groups)} param groups, "
                 f"this optimizer has {len(self.param_groups)}"
             )
         id_to_param = {}
         for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
-                    f"{name}.load_state_dict: param group {index} has {len(saved['params'])} "
+                    f"{name}: param group {index} has {len(saved['params'])} "
                     f"parameters in the checkpoint and {len(group['params'])} here"
                 )
+            if saved.get("step") is not None:
+                checks.step_value(saved["step"], f"{name}: param group {index}")
             id_to_param.update(zip(saved["params"], group["params"]))
+        live_keys = {k for e in self._entries.values() for k in e if k not in (MASTER, "step")}
+        saved_keys = {k for e in state_dict["state"].values() for k in e if k != MASTER}
+        planned, loaded_tensors = {}, []
         for param_id, entry in state_dict["state"].items():
             param = id_to_param.get(param_id)
+            where = f"{name}: parameter {param_id!r}"
             if param is None:
-                raise KeyError(
-                    f"{name}.load_state_dict: the checkpoint has state for parameter "
-                    f"{param_id!r}, which no param group lists"
-                )
+                raise KeyError(f"{where} has state in the checkpoint but no param group lists it")
+            missing = sorted((saved_keys | live_keys) - set(entry))
+            if missing:
+                raise KeyError(f"{where} lacks state {missing} that the others have")
+            planned[param] = values = dict(entry)
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    if value.numel() != param.numel():
-                        raise ValueError(
-                            f"{name}.load_state_dict: state '{key}' of parameter {param_id!r} "
-                            f"has shape {tuple(value.shape)}, the parameter has shape "
-                            f"{tuple(param.shape)}"
-                        )
-        return id_to_param
+                if key == "step":
+                    step = checks.step_value(value, where)
+                    if not isinstance(step, torch.Tensor):
+                        values[key] = torch.tensor(float(step), dtype=torch.float32)
+                elif isinstance(value, torch.Tensor):
+                    checks.check_state_shape(value, param.shape, key, where)
+                    loaded_tensors.append((f"parameter {param_id!r}", key, value))
+        checks.scan_nonfinite(loaded_tensors, "the HybridDeviceOptimizer state dict")
+        return planned
 
     @staticmethod
     def _settle_loaded_state(self, state_dict):
-        """Load pre-hook: validate, then cast every entry where its inner tensor lives.
+        """Load pre-hook: plan, then write every entry where its inner tensor lives.
 
         The settled state is kept aside and torch is handed an empty one, so torch's own
-        load never casts state onto the public parameters' device.
+        load never casts state onto the public parameters' device. From the first write on
+        the optimizer is marked as loading; the post-hook clears the mark, so a load that
+        fails in between leaves an optimizer that refuses to step or save.
         """
         self._ensure_built()
-        id_to_param = self._check_loadable(state_dict)
+        planned = self._plan_load(state_dict)
+        self._load_guard.failure = "load_state_dict did not complete"
         loaded = {}
-        for param_id, saved_entry in state_dict["state"].items():
-            param = id_to_param[param_id]
+        for param, values in planned.items():
             inner = self.param_to_inner_param[param]
             optimizer = self._owner[inner]
             live_state = optimizer.state.get(inner, {})
             loaded[param] = {
                 key: self._settle(inner, optimizer, live_state.get(key), key, value)
-                for key, value in saved_entry.items()
+                for key, value in values.items()
             }
         self._loaded_state = loaded
         groups = [
@@ -902,12 +955,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             values.pop(MASTER, None)  # already written into the inner tensor
             dict.clear(entry)
             dict.update(entry, values)
-            entry.optimizer.state[entry.inner] = entry
+            sub_state = entry.optimizer.state
+            if not isinstance(sub_state, StateMap):
+                entry.optimizer.state = sub_state = StateMap(self._entries_by_inner.get)
+            dict.__setitem__(sub_state, entry.inner, entry)
             self._list_entry(entry)
         self._state_changes.created.clear()
         self._state_changes.parked.clear()
         self._sync_hdo_param_groups_to_sub_optimizers()
         self._hand_back_group_steps()
+        self._load_guard.failure = None
+
+    @staticmethod
+    def _refuse_after_a_failed_load(self):
+        """State-dict pre-hook: a half-written state is not saved."""
+        self._load_guard.check("save its state")
 
     @staticmethod
     def _state_as_plain_dicts(self, state_dict):
@@ -925,6 +987,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._checkpoint_hooks = (
             self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state),
             self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state),
+            self.register_state_dict_pre_hook(HybridDeviceOptimizer._refuse_after_a_failed_load),
             self.register_state_dict_post_hook(HybridDeviceOptimizer._state_as_plain_dicts),
         )
 

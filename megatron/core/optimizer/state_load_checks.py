@@ -1,0 +1,174 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Checks that a checkpoint's optimizer state fits, run before a load changes anything, and
+the guard that keeps an optimizer whose load failed half-way from being used.
+
+Loads in this fork run in two halves: a plan that reads and checks everything (these checks)
+and changes nothing, then the writes. A failure in the plan leaves the optimizer as it was.
+A failure during the writes (a copy, a collective, memory) cannot be undone without a second
+copy of the whole state, the very copy the fork's loads avoid; the optimizer is then marked
+(:class:`LoadGuard`) and refuses to step or save until a later load completes.
+
+Non-finite values in loaded moments or master weights are reported with the parameter and
+the count. What happens then is set by the environment variable
+``MEGATRON_OPTIMIZER_NONFINITE_STATE``: ``error`` (the default: every later step of such a
+parameter would be NaN), ``warn`` or ``ignore``.
+"""
+
+import contextlib
+import logging
+import math
+import os
+from numbers import Number
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+NONFINITE_POLICY_ENV = "MEGATRON_OPTIMIZER_NONFINITE_STATE"
+NONFINITE_POLICIES = ("error", "warn", "ignore")
+
+# Elements per isfinite pass: bounds the temporary mask to 16 MiB whatever the tensor's size.
+_NONFINITE_CHUNK = 1 << 24
+
+
+def step_value(value: Any, where: str) -> Any:
+    """Check a loaded Adam step counter; return it as it may be loaded.
+
+    A tensor of one element or a real number is accepted, as torch's optimizers accept them,
+    when it is a whole, finite, non-negative count.
+
+    Raises:
+        ValueError: for None, a bool, another type, a tensor of several elements, or a value
+            that is negative, not finite or not whole. The message names ``where``.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where}: the step counter is a tensor of shape {tuple(value.shape)}")
+        number = float(value.detach().reshape(()).cpu())
+    elif isinstance(value, Number) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise ValueError(f"{where}: the step counter is {value!r}, not a number")
+    if not math.isfinite(number) or number < 0 or number != int(number):
+        raise ValueError(f"{where}: the step counter {number} is not a whole count of steps")
+    return value
+
+
+def check_state_shape(value: torch.Tensor, shape: Sequence[int], key: str, where: str) -> None:
+    """A state tensor must have its parameter's shape, or be that shape flattened.
+
+    Raises:
+        ValueError: naming the key, ``where`` and both shapes.
+    """
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if tuple(value.shape) == shape or (tuple(value.shape) == (numel,) and value.dim() == 1):
+        return
+    raise ValueError(
+        f"{where}: state '{key}' has shape {tuple(value.shape)}, the parameter has shape "
+        f"{shape} (only that shape or its flat {numel} elements load)"
+    )
+
+
+def count_nonfinite(tensor: torch.Tensor) -> int:
+    """How many elements of a floating-point ``tensor`` are NaN or infinite."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return 0
+    flat = tensor.detach().reshape(-1)
+    bad = 0
+    for start in range(0, flat.numel(), _NONFINITE_CHUNK):
+        chunk = flat[start : start + _NONFINITE_CHUNK]
+        bad += chunk.numel() - int(torch.isfinite(chunk).sum())
+    return bad
+
+
+def nonfinite_policy() -> str:
+    """The configured answer to non-finite loaded state (see the module docstring)."""
+    policy = os.environ.get(NONFINITE_POLICY_ENV, "error").strip().lower() or "error"
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"{NONFINITE_POLICY_ENV}={policy!r}: expected one of {', '.join(NONFINITE_POLICIES)}"
+        )
+    return policy
+
+
+def scan_nonfinite(tensors: Iterable[Tuple[str, str, Any]], source: str) -> None:
+    """Count the non-finite values of each loaded tensor and act as the policy says (nothing
+    is read under ``ignore``).
+
+    Args:
+        tensors: ``(parameter, state key, value)``; values that are not tensors are skipped.
+        source: what is being loaded, for the message.
+    """
+    if nonfinite_policy() == "ignore":
+        return
+    found = []
+    for param, key, value in tensors:
+        bad = count_nonfinite(value) if isinstance(value, torch.Tensor) else 0
+        if bad:
+            found.append((param, key, bad))
+    report_nonfinite(found, source)
+
+
+def report_nonfinite(found: List[Tuple[str, str, int]], source: str) -> None:
+    """Act on non-finite values found in a checkpoint, as the policy says.
+
+    Args:
+        found: ``(parameter, state key, count)`` for each tensor with any.
+        source: what is being loaded (a file, a state dict), for the message.
+
+    Raises:
+        ValueError: under the ``error`` policy, listing the first tensors found.
+    """
+    policy = nonfinite_policy()
+    if not found or policy == "ignore":
+        return
+    listed = ", ".join(f"{param} '{key}': {count}" for param, key, count in found[:5])
+    more = f" and {len(found) - 5} more tensors" if len(found) > 5 else ""
+    message = (
+        f"{source} holds non-finite optimizer state ({listed}{more}); training from it would "
+        f"give NaN parameters. Set {NONFINITE_POLICY_ENV}=warn to load it anyway."
+    )
+    if policy == "error":
+        raise ValueError(message)
+    logger.warning(message)
+
+
+class LoadGuard:
+    """Marks an optimizer unusable while a load is writing, until that load completes.
+
+    Args:
+        owner: what the messages name (the optimizer's class name).
+    """
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.failure: Optional[str] = None
+
+    @contextlib.contextmanager
+    def writing(self, what: str):
+        """Run the writes of a load: a failure inside leaves the mark, success clears it (or
+        puts back the mark an enclosing write had set)."""
+        before = self.failure
+        self.failure = f"{what} did not complete"
+        try:
+            yield
+        except BaseException as error:
+            self.failure = (
+                f"{what} failed while writing the state ({type(error).__name__}: {error})"
+            )
+            raise
+        self.failure = before
+
+    def check(self, action: str) -> None:
+        """Refuse ``action`` (a step, a save) while a failed load's mark is set.
+
+        Raises:
+            RuntimeError: saying which load failed and that a complete load clears it.
+        """
+        if self.failure is not None:
+            raise RuntimeError(
+                f"{self.owner}: cannot {action}: {self.failure}, so the optimizer state is "
+                f"partly the checkpoint's; load a checkpoint again (a complete load clears this)"
+            )
