@@ -1143,7 +1143,7 @@ def test_param_state_is_loaded_by_the_named_loader(monkeypatch):
     monkeypatch.setattr(
         type(optimizer), "load_parameter_state_from_dp_reshardable", lambda self, s: calls.append(s)
     )
-    monkeypatch.setattr(type(optimizer), "_check_param_state_for_load", lambda self, s: None)
+    monkeypatch.setattr(type(optimizer), "_plan_param_state_load", lambda self, s: lambda: None)
     saved = {
         **optimizer.state_dict(),
         "param_state": "PAYLOAD",

@@ -41,6 +41,7 @@ InnerOptimizerState = pytest.importorskip(
     "megatron.core.optimizer.inner_optimizer_state"
 ).InnerOptimizerState
 Mixin = param_state.DistributedOptimizerParameterStateMixin
+LoadGuard = pytest.importorskip("megatron.core.optimizer.state_load_checks").LoadGuard
 
 BF16, FP32 = torch.bfloat16, torch.float32
 KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -123,6 +124,7 @@ class FakeCore:
                         self.param_range_of[model_param] = piece["param"]
         self.optimizer = torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
         self.inner_state = InnerOptimizerState(self.optimizer, ("exp_avg", "exp_avg_sq"))
+        self._load_guard = LoadGuard(type(self).__name__)
 
     def _make_buffer(self, spec, dp_size):
         fp8 = spec.get("fp8", False)
@@ -615,7 +617,7 @@ def test_file_of_another_model_is_refused_untouched(group, tmp_path, impl):
 
 def test_missing_file_and_missing_state(group, tmp_path):
     target = ForkHost(LAYOUT, group)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="absent.pt.*expected a dp_zero file"):
         target.load_parameter_state(tmp_path / "absent.pt")
     with pytest.raises(ValueError, match="param_state"):
         target.load_parameter_state_from_dp_zero(None)

@@ -43,6 +43,7 @@ sharded_state = pytest.importorskip(
 )
 ranges = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_ranges")
 inner = pytest.importorskip("megatron.core.optimizer.inner_optimizer_state")
+LoadGuard = pytest.importorskip("megatron.core.optimizer.state_load_checks").LoadGuard
 
 Mixin = sharded_state.DistributedOptimizerShardedStateMixin
 
@@ -223,6 +224,7 @@ class Host:
                     self.shard_of[param] = (shard, flat, world)
         self.optimizer = torch.optim.AdamW(groups)
         self.inner_state = inner.InnerOptimizerState(self.optimizer, STATE_KEYS)
+        self._load_guard = LoadGuard(type(self).__name__)
         if options.get("materialise", True):
             self.inner_state.materialise()
             for shard, flat, world in self.shard_of.values():
@@ -858,11 +860,13 @@ def test_check_param_state_for_load_names_the_problem():
         host._check_param_state_for_load(
             {"param_state": None, "param_state_sharding_type": "fully_sharded_model_space"}
         )
-    # Nothing to check without param state, nor for the formats another module loads.
-    host._check_param_state_for_load({"optimizer": {}})
-    host._check_param_state_for_load(
+    # Nothing to check without param state; the formats another mixin loads go to its planner.
+    assert host._plan_param_state_load({"optimizer": {}}) is None
+    host._plan_dp_reshardable_param_state = lambda state: ("planned", state)
+    planned = host._plan_param_state_load(
         {"param_state": 1, "param_state_sharding_type": "dp_reshardable"}
     )
+    assert planned == ("planned", 1)
 
 
 @pytest.mark.parametrize("sharding_type", ["fully_sharded_bucket_space", "nope"])

@@ -42,6 +42,7 @@ from megatron.core.fp8_utils import (
 )
 from megatron.core.optimizer import distrib_optimizer_ranges as ranges
 from megatron.core.optimizer import fused_adam_state_load
+from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer_param_state import (
     DistributedOptimizerParameterStateMixin,
@@ -495,6 +496,9 @@ class DistributedOptimizer(
         self.ddp_config = ddp_config
         self.distributed_optimizer_instance_id = distributed_optimizer_instance_id
 
+        # Set while a load is writing and left set when it fails there (state_load_checks).
+        self._load_guard = checks.LoadGuard(type(self).__name__)
+        self._planned_param_state = None
         # A rank whose sub-models are all frozen still takes part, with no inner optimizer.
         self.is_stub_optimizer = optimizer is None
         if self.is_stub_optimizer:
@@ -607,6 +611,7 @@ class DistributedOptimizer(
         """
         if self.is_stub_optimizer:
             raise RuntimeError("a stub DistributedOptimizer (no inner optimizer) has no state dict")
+        self._load_guard.check("save its state")
         if _creates_own_state(self.optimizer):
             inner = self.optimizer.state_dict()
             saved = {key: value for key, value in inner.items() if key != "state"}
@@ -708,17 +713,46 @@ class DistributedOptimizer(
             self._load_state_dict_megatron_fsdp(state_dict)
             return
 
-        # Checks the whole parameter state (format and fit) before anything changes.
-        self._check_param_state_for_load(state_dict)
-        loader = None
-        if "param_state" in state_dict:
-            loader = getattr(self, _SHARDING_TYPE_LOADERS[state_dict["param_state_sharding_type"]])
-
+        # Plan: the parameter state, the groups and the step counters are checked before
+        # anything changes.
+        write_param_state = self._plan_param_state_load(state_dict)
         saved_groups = state_dict["optimizer"]["param_groups"]
         inner_groups = _param_groups_as_saved(self.optimizer)
         groups = self._pair_saved_param_groups(saved_groups, inner_groups)
         steps = {group["step"] for group in groups if group.get("step") is not None}
+        for step in steps:
+            checks.step_value(step, "the checkpoint's param groups")
+        if len(steps) > 1 and self._counts_steps_per_param():
+            raise ValueError(f"the checkpoint's param groups disagree on the step: {sorted(steps)}")
 
+        with self._load_guard.writing("load_state_dict"):
+            self._load_param_groups_and_state(groups, inner_groups, steps)
+            self._load_grad_scaler_state(state_dict)
+            if write_param_state is not None:
+                sharding_type = state_dict["param_state_sharding_type"]
+                log_single_rank(
+                    logger,
+                    logging.INFO,
+                    f"Loading distributed optimizer sharded state of type {sharding_type}",
+                )
+                # Through the format's public loader, which clients may wrap; it writes the
+                # plan made above instead of checking the state again.
+                self._planned_param_state = (state_dict["param_state"], write_param_state)
+                try:
+                    getattr(self, _SHARDING_TYPE_LOADERS[sharding_type])(state_dict["param_state"])
+                finally:
+                    self._planned_param_state = None
+
+    def _counts_steps_per_param(self) -> bool:
+        """Whether the inner optimizer (or the sub-optimizers of one that builds its own)
+        keeps a step count per parameter, read without changing anything."""
+        if self.optimizer.state:
+            return any("step" in entry for entry in self.optimizer.state.values())
+        members = getattr(self.optimizer, "sub_optimizers", None) or [self.optimizer]
+        return any(_counts_steps_per_param(member) for member in members)
+
+    def _load_param_groups_and_state(self, groups, inner_groups, steps) -> None:
+        """Write the loaded groups and create (or keep) the inner optimizer's state."""
         if not self.optimizer.state and _creates_own_state(self.optimizer):
             self.inner_state.materialise()
         scaffolded = not self.optimizer.state
@@ -730,15 +764,9 @@ class DistributedOptimizer(
         keep_state = not scaffolded and not _creates_own_state(self.optimizer)
         if scaffolded:
             state = self._state_scaffold(inner_groups, min(steps) if steps else None)
-            per_param_step = _counts_steps_per_param(self.optimizer)
         else:
             # Reusing the existing tensors avoids reallocating (and fragmenting) memory.
             state = None if keep_state else self.optimizer.state_dict()["state"]
-            entries = self.optimizer.state.values() if keep_state else state.values()
-            per_param_step = any("step" in entry for entry in entries)
-        if per_param_step and len(steps) > 1:
-            raise ValueError(f"the checkpoint's param groups disagree on the step: {sorted(steps)}")
-
         if keep_state:
             fused_adam_state_load.load_param_groups_keeping_state(self.optimizer, groups)
         else:
@@ -753,19 +781,8 @@ class DistributedOptimizer(
             )
         del state
         if len(steps) == 1:
-            self.inner_state.set_step(int(steps.pop()))
+            self.inner_state.set_step(int(next(iter(steps))))
             self.inner_state.finish_load()
-
-        self._load_grad_scaler_state(state_dict)
-
-        if loader is not None:
-            log_single_rank(
-                logger,
-                logging.INFO,
-                f"Loading distributed optimizer sharded state of type "
-                f"{state_dict['param_state_sharding_type']}",
-            )
-            loader(state_dict["param_state"])
 
     def _load_state_dict_megatron_fsdp(self, state_dict):
         """Megatron-FSDP: the wrapped optimizer loads the state dict itself."""
@@ -935,7 +952,8 @@ class DistributedOptimizer(
 
         Main copies and state move. Shards that are views of model parameters stay: their
         memory is the model's, and a moved view would no longer update its parameter. An inner
-        HybridDeviceOptimizer's offloaded state stays where it is.
+        HybridDeviceOptimizer's offloaded state stays where it is, and so do the fp32 clones it
+        steps in place (its sub-optimizers hold them).
         """
         if self.is_stub_optimizer:
             return
@@ -1418,6 +1436,7 @@ class DistributedOptimizer(
         Returns:
             bool: whether the update succeeded.
         """
+        self._load_guard.check("step")
         succeeded = super().step_with_ready_grads()
 
         fsdp = self.ddp_config.use_megatron_fsdp

@@ -24,11 +24,13 @@ The methods live in :class:`DistributedOptimizerParameterStateMixin`, which
 layouts, so files move freely between the fork and upstream.
 """
 
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["DistributedOptimizerParameterStateMixin"]
+from megatron.core.optimizer import state_load_checks as checks
+
+__all__ = ["DistributedOptimizerParameterStateMixin", "PlannedParamStateLoadMixin"]
 
 BUCKETS_COALESCED = "buckets_coalesced"
 NUMEL_UNPADDED = "numel_unpadded"
@@ -77,6 +79,20 @@ def _raise_on_every_rank(
         raise problem
 
 
+def _naming_the_file(error: Exception, filename) -> Exception:
+    """``error`` from reading ``filename``, of the same type where it can be, with a message
+    that names the file and what it should have been."""
+    message = (
+        f"cannot read the parameter-state file {str(filename)!r}: expected a dp_zero file "
+        f"written by save_parameter_state (is it truncated, or not a torch.save file?): "
+        f"{type(error).__name__}: {error}"
+    )
+    try:
+        return type(error)(message)
+    except Exception:  # pylint: disable=broad-exception-caught
+        return ValueError(message)
+
+
 def _shard_views(
     bucket_state: torch.Tensor, padded_numel: int, world_size: int, device: torch.device
 ) -> List[torch.Tensor]:
@@ -97,7 +113,66 @@ def _shard_views(
     return shards
 
 
-class DistributedOptimizerParameterStateMixin:
+class PlannedParamStateLoadMixin:
+    """The two halves every parameter-state load runs: a plan (each format checks its state
+    against the optimizer and returns a writer) and the writes (run under the optimizer's
+    :class:`~megatron.core.optimizer.state_load_checks.LoadGuard`).
+
+    The host class supplies ``inner_state``, ``_load_guard`` and
+    ``_set_main_param_and_optimizer_states``.
+    """
+
+    def _begin_param_state_load(self) -> None:
+        """Give every parameter its state tensors, so a load can write into them in place."""
+        self.inner_state.materialise()
+
+    def _param_state_writer(self, writes, step: Optional[int] = None) -> Callable[[], None]:
+        """What writes a checked plan: state created where missing, every owned piece copied
+        in place, the step count restored, the inner optimizer told the load is done.
+
+        The plan's tensors are scanned for non-finite values first (``state_load_checks``).
+
+        Args:
+            writes: ``(model param, {"param": ..., <state key>: ...})`` per owned piece.
+            step: the checkpoint's step count, where the format carries one.
+        """
+        checks.scan_nonfinite(
+            (
+                (f"a piece of the parameter of shape {tuple(model_param.shape)}", key, value)
+                for model_param, tensors in writes
+                for key, value in tensors.items()
+            ),
+            "the checkpoint's parameter state",
+        )
+
+        @torch.no_grad()
+        def write():
+            self._begin_param_state_load()
+            for model_param, tensors in writes:
+                self._set_main_param_and_optimizer_states(model_param, tensors)
+            if step is not None:
+                self.inner_state.set_step(step)
+            self.inner_state.finish_load()
+
+        return write
+
+    def _load_planned(self, what: str, state_dict, plan: Callable) -> None:
+        """Plan a parameter-state load, then write it; a failure in the writes leaves the
+        optimizer marked (``state_load_checks.LoadGuard``).
+
+        ``load_state_dict`` plans before it changes anything and hands its plan over in
+        ``_planned_param_state``; it is used when it was made for this very ``state_dict``.
+        """
+        planned = getattr(self, "_planned_param_state", None)
+        if planned is not None and planned[0] is state_dict:
+            write = planned[1]
+        else:
+            write = plan(state_dict)
+        with self._load_guard.writing(what):
+            write()
+
+
+class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
     """``DistributedOptimizer``'s save and load of the ``dp_zero`` and ``dp_reshardable``
     parameter-state formats.
 
@@ -155,10 +230,6 @@ class DistributedOptimizerParameterStateMixin:
             raise ValueError("the distributed optimizer has no data-parallel group")
         return group, _collective_device(group)
 
-    def _begin_param_state_load(self) -> None:
-        """Give every parameter its state tensors, so a load can write into them in place."""
-        self.inner_state.materialise()
-
     # ---------------------------------------------------------------- dp_reshardable
 
     def get_parameter_state_dp_reshardable(self):
@@ -200,14 +271,15 @@ class DistributedOptimizerParameterStateMixin:
                 under another data-parallel layout.
             KeyError: an expected buffer, bucket or state tensor is missing.
         """
-        writes, step = self._plan_dp_reshardable_load(state_dict)
-        self._begin_param_state_load()
-        with torch.no_grad():
-            for model_param, tensors in writes:
-                self._set_main_param_and_optimizer_states(model_param, tensors)
-        if step is not None:
-            self.inner_state.set_step(step)
-        self.inner_state.finish_load()
+        self._load_planned(
+            "load_parameter_state_from_dp_reshardable",
+            state_dict,
+            self._plan_dp_reshardable_param_state,
+        )
+
+    def _plan_dp_reshardable_param_state(self, state_dict) -> Callable[[], None]:
+        """Check a dp_reshardable state; return what writes it."""
+        return self._param_state_writer(*self._plan_dp_reshardable_load(state_dict))
 
     def _plan_dp_reshardable_load(self, state_dict):
         """Match every saved entry with its parameter, checking everything first."""
@@ -408,6 +480,7 @@ class DistributedOptimizerParameterStateMixin:
         Args:
             filename (str): path of the file to write.
         """
+        self._load_guard.check("save its parameter state")
         state_dict = self.get_parameter_state_dp_zero()
         if self.data_parallel_group.rank() == 0:
             torch.save(state_dict, filename)
@@ -428,8 +501,16 @@ class DistributedOptimizerParameterStateMixin:
             try:
                 state_dict = torch.load(filename, map_location="cpu", weights_only=True)
             except Exception as error:  # pylint: disable=broad-exception-caught
-                problem = error
-        self._scatter_dp_zero_state(state_dict, update_legacy_format, problem)
+                problem = _naming_the_file(error, filename)
+        else:
+            filename = None
+        try:
+            write = self._plan_dp_zero_param_state(state_dict, update_legacy_format, problem)
+        except (KeyError, ValueError) as error:
+            if filename is None or str(filename) in str(error):
+                raise
+            raise type(error)(f"{filename}: {error.args[0] if error.args else ''}") from error
+        self._load_planned("load_parameter_state", state_dict, lambda _: write)
 
     def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format=False):
         """Scatter a ``dp_zero`` state held by data-parallel rank 0 into every rank's shards.
@@ -447,7 +528,11 @@ class DistributedOptimizerParameterStateMixin:
             ValueError: the state belongs to another model (sizes differ).
             KeyError: a buffer, dtype entry or state tensor is missing.
         """
-        self._scatter_dp_zero_state(state_dict, update_legacy_format)
+        self._load_planned(
+            "load_parameter_state_from_dp_zero",
+            state_dict,
+            lambda state: self._plan_dp_zero_param_state(state, update_legacy_format),
+        )
 
     def load_parameter_state_from_dp_zero_legacy(self, state_dict):
         """Scatter a ``dp_zero`` state written before buckets were coalesced.
@@ -456,7 +541,11 @@ class DistributedOptimizerParameterStateMixin:
         cut at the old bucket boundaries; they are re-cut at this run's boundaries
         (:meth:`_update_legacy_world_tensors`), which needs the same total size.
         """
-        self._scatter_dp_zero_state(state_dict, True)
+        self._load_planned(
+            "load_parameter_state_from_dp_zero_legacy",
+            state_dict,
+            lambda state: self._plan_dp_zero_param_state(state, True),
+        )
 
     @classmethod
     def _update_legacy_world_tensors(cls, old_tensors, new_numels):
@@ -481,19 +570,39 @@ class DistributedOptimizerParameterStateMixin:
         joined = torch.cat([tensor.reshape(-1) for tensor in old_tensors])
         return list(joined.split(list(new_numels)))
 
-    @torch.no_grad()
-    def _scatter_dp_zero_state(self, state_dict, legacy: bool, problem=None) -> None:
-        """Check the file on rank 0, agree on the verdict, then scatter bucket by bucket."""
+    def _plan_dp_zero_param_state(self, state_dict, legacy: bool, problem=None):
+        """Check a dp_zero state on rank 0 and agree on the verdict; return what scatters it.
+
+        Args:
+            state_dict: the state on data-parallel rank 0 (anything elsewhere).
+            legacy: the pre-coalescing format.
+            problem: an error rank 0 already met reading it (raised on every rank).
+        """
         group, device = self._param_state_group()
         is_root = group.rank() == 0
         per_bucket = None
         if is_root and problem is None:
             try:
                 per_bucket = self._dp_zero_bucket_states(state_dict, legacy)
+                checks.scan_nonfinite(
+                    (
+                        (f"bucket {index} of buffer {gbuf_idx}", key, value)
+                        for gbuf_idx, buckets in per_bucket.items()
+                        for index, bucket in enumerate(buckets)
+                        for key, value in bucket.items()
+                    ),
+                    "the dp_zero parameter state",
+                )
             except Exception as error:  # pylint: disable=broad-exception-caught
                 problem = error
         _raise_on_every_rank(problem if is_root else None, group, device)
+        return lambda: self._scatter_dp_zero_state(per_bucket if is_root else None)
 
+    @torch.no_grad()
+    def _scatter_dp_zero_state(self, per_bucket) -> None:
+        """Scatter a checked dp_zero state bucket by bucket (``per_bucket`` on rank 0 only)."""
+        group, device = self._param_state_group()
+        is_root = group.rank() == 0
         self._begin_param_state_load()
         keys = self._param_state_keys()
         for gbuf_idx, dtypes, bucket_maps in self._param_state_buffers():

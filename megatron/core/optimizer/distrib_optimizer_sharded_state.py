@@ -39,7 +39,7 @@ The host class supplies the attributes under upstream's names (``gbuf_ranges``, 
 import gc
 import logging
 from dataclasses import replace
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -53,6 +53,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.optimizer import KEEP_VARS_HINT
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.optimizer.distrib_optimizer_param_state import PlannedParamStateLoadMixin
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from megatron.core.utils import log_single_rank
 
@@ -74,6 +75,14 @@ LOADABLE_SHARDING_TYPES = (
     FULLY_SHARDED_MODEL_SPACE,
 )
 """Values of ``param_state_sharding_type`` that ``load_state_dict`` accepts."""
+
+# Each loadable format's planner: checks its ``param_state`` and returns what writes it.
+_PARAM_STATE_PLANNERS = {
+    DP_ZERO_GATHER_SCATTER: '_plan_dp_zero_gather_scatter_param_state',
+    FULLY_RESHARDABLE: '_plan_fully_reshardable_param_state',
+    DP_RESHARDABLE: '_plan_dp_reshardable_param_state',
+    FULLY_SHARDED_MODEL_SPACE: '_plan_fs_model_space_param_state',
+}
 
 STATE_KEY_PREFIX = 'optimizer.state'
 MEM_EFFICIENT_FLAG = 'distrib_optim_fully_reshardable_mem_efficient'
@@ -199,7 +208,7 @@ def _names_of_params(model_chunks) -> Dict[torch.Tensor, str]:
     }
 
 
-class DistributedOptimizerShardedStateMixin:
+class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
     """Sharded (``dist_checkpointing``) state dicts of ``DistributedOptimizer``.
 
     See the module documentation for the formats and for what the host class must supply.
@@ -296,6 +305,8 @@ class DistributedOptimizerShardedStateMixin:
             NotImplementedError: unknown format, or a format Megatron-FSDP cannot use; raised
                 before the optimizer is touched.
         """
+        if not is_loading:
+            self._load_guard.check("save its state")
         metadata = {} if metadata is None else metadata
         if sharding_type is None:
             sharding_type = metadata.get('distrib_optim_sharding_type', DEFAULT_SHARDING_TYPE)
@@ -349,15 +360,24 @@ class DistributedOptimizerShardedStateMixin:
         return common_state
 
     def _check_param_state_for_load(self, state_dict: Mapping) -> None:
-        """Check a loaded optimizer state dict's ``param_state`` before anything is loaded.
+        """Check a loaded optimizer state dict's ``param_state`` (see
+        :meth:`_plan_param_state_load`), writing nothing."""
+        self._plan_param_state_load(state_dict)
+
+    def _plan_param_state_load(self, state_dict: Mapping) -> Optional[Callable[[], None]]:
+        """Check a loaded optimizer state dict's ``param_state``; return what writes it.
 
         ``load_state_dict`` calls this first, so that a checkpoint it cannot load fails before
-        param groups, grad scaler or optimizer state change. The formats loaded by this mixin
-        are checked entry by entry; the others only by name.
+        param groups, grad scaler or optimizer state change: every format is checked entry by
+        entry against this optimizer (a dp_zero state on data-parallel rank 0, whose verdict
+        every rank then shares).
+
+        Returns:
+            The writer of the checked state, or None when there is no ``param_state``.
 
         Raises:
-            ValueError: ``param_state`` without its ``param_state_sharding_type`` or the other
-                way round, or model-space state that does not fit this optimizer.
+            ValueError, KeyError: ``param_state`` without its ``param_state_sharding_type`` or
+                the other way round, or parameter state that does not fit this optimizer.
             NotImplementedError: a sharding type nothing can load.
         """
         has_state = 'param_state' in state_dict
@@ -373,14 +393,24 @@ class DistributedOptimizerShardedStateMixin:
                 f"(keys: {sorted(map(str, state_dict.keys()))})"
             )
         if not has_state:
-            return
+            return None
         sharding_type = state_dict['param_state_sharding_type']
         if sharding_type not in LOADABLE_SHARDING_TYPES:
             raise NotImplementedError(f'Unknown sharding_type: {sharding_type}')
-        if sharding_type == FULLY_RESHARDABLE:
-            self._fully_reshardable_load_plan(state_dict['param_state'])
-        elif sharding_type == FULLY_SHARDED_MODEL_SPACE:
-            self._fs_model_space_load_plan(state_dict['param_state'])
+        planner = getattr(self, _PARAM_STATE_PLANNERS[sharding_type])
+        return planner(state_dict['param_state'])
+
+    def _plan_fully_reshardable_param_state(self, state_dict) -> Callable[[], None]:
+        """Check a fully_reshardable state; return what writes it."""
+        return self._param_state_writer(self._fully_reshardable_load_plan(state_dict))
+
+    def _plan_fs_model_space_param_state(self, state_dict) -> Callable[[], None]:
+        """Check a fully_sharded_model_space state; return what writes it."""
+        return self._param_state_writer(self._fs_model_space_load_plan(state_dict))
+
+    def _plan_dp_zero_gather_scatter_param_state(self, state_dict) -> Callable[[], None]:
+        """Check a dp_zero state (on data-parallel rank 0); return what scatters it."""
+        return self._plan_dp_zero_param_state(state_dict, False)
 
     # ------------------------------------------------------------------------------------
     # Megatron-FSDP
@@ -610,9 +640,11 @@ class DistributedOptimizerShardedStateMixin:
         Args:
             state_dict: the loaded ``param_state``: parameter index -> whole state tensors.
         """
-        for model_param, tensors in self._fully_reshardable_load_plan(state_dict):
-            self._set_main_param_and_optimizer_states(model_param, tensors)
-        self.inner_state.finish_load()
+        self._load_planned(
+            "load_parameter_state_from_fully_reshardable",
+            state_dict,
+            self._plan_fully_reshardable_param_state,
+        )
 
     # ------------------------------------------------------------------------------------
     # dp_reshardable
@@ -800,6 +832,8 @@ class DistributedOptimizerShardedStateMixin:
         Args:
             state_dict: the loaded ``param_state``: index -> ``{"fp32_param", <state key>...}``.
         """
-        for model_param, tensors in self._fs_model_space_load_plan(state_dict):
-            self._set_main_param_and_optimizer_states(model_param, tensors)
-        self.inner_state.finish_load()
+        self._load_planned(
+            "load_parameter_state_from_fs_model_space",
+            state_dict,
+            self._plan_fs_model_space_param_state,
+        )

@@ -235,10 +235,13 @@ class InnerOptimizerState:
 
     def offload(self) -> None:
         """Move every accelerator state tensor to the host, by assignment into ``state`` (an
-        offloading optimizer's host-resident state is there already and stays as it is)."""
-        for entry in self.optimizer.state.values():
+        offloading optimizer's host-resident state is there already and stays as it is; a
+        ``master_param`` that is the tensor the optimizer steps stays too)."""
+        for param, entry in self.optimizer.state.items():
+            stepped = self._holder(param)
             for key, value in list(entry.items()):
-                if isinstance(value, torch.Tensor) and value.is_cuda:
+                # A master that is the tensor the optimizer steps frees nothing when moved.
+                if isinstance(value, torch.Tensor) and value.is_cuda and value is not stepped:
                     entry[key] = value.cpu()
 
     def restore(self) -> None:

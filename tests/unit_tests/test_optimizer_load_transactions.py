@@ -1,0 +1,415 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Loads are checked before they change anything, and a load that fails while writing leaves
+an optimizer that says so.
+
+One table of bad inputs drives one test per optimizer: the HybridDeviceOptimizer alone (fp32
+and bf16 parameters) and the DistributedOptimizer over torch AdamW and over the HDO (CPU
+buffers, no process group). Each bad input must raise a clear error, and the optimizer must
+then be as before: state, master copies, hyperparameters, step counters and parameters equal,
+and the next steps equal to a twin's that never saw it. Faults injected into each phase of a
+load show what a failure there leaves, and many load cycles must not grow memory.
+"""
+
+import gc
+import io
+import math
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import hdo_client_flows as flows
+    import test_distrib_optimizer_core as core
+    from test_distrib_optimizer_core import fixture_cpu_as_cuda  # pylint: disable=unused-import
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests import hdo_client_flows as flows
+    from tests.unit_tests import test_distrib_optimizer_core as core
+    from tests.unit_tests.test_distrib_optimizer_core import fixture_cpu_as_cuda  # noqa: F401
+
+checks = pytest.importorskip("megatron.core.optimizer.state_load_checks")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(8, 4), (16,), (4, 4), (3,), (6, 2)]
+
+
+# --------------------------------------------------------------------------------------------
+# The HybridDeviceOptimizer alone
+# --------------------------------------------------------------------------------------------
+
+
+def make_hdo(dtype, seed=0, fraction=0.5):
+    return flows.build_hdo(HybridDeviceOptimizer, SHAPES, fraction, seed, dtype, DEVICE)
+
+
+train_hdo = flows.train_params
+
+
+def saved_hdo(dtype):
+    """A checkpoint of a trained HDO (as bytes come back from disk)."""
+    params, optimizer = make_hdo(dtype, seed=3)
+    train_hdo(params, optimizer, 3, seed=4)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _entry(state_dict, index=0):
+    return state_dict["state"][index]
+
+
+def _put(key, value):
+    return lambda sd: _entry(sd).__setitem__(key, value)
+
+
+def _poison(key, value):
+    def corrupt(sd):
+        _entry(sd)[key].view(-1)[1] = value
+
+    return corrupt
+
+
+def _transpose_first(sd):
+    # (8, 4) -> (4, 8): the same elements, which an element-order reshape would scramble.
+    _entry(sd)["exp_avg"] = _entry(sd)["exp_avg"].reshape(4, 8).clone()
+
+
+# name -> (corruption, expected exception, message pattern)
+HDO_BAD_INPUTS = {
+    "step_none": (_put("step", None), ValueError, "step counter is None"),
+    "step_fraction": (_put("step", 2.5), ValueError, "not a whole count"),
+    "step_negative": (_put("step", torch.tensor(-1.0)), ValueError, "not a whole count"),
+    "step_nan": (_put("step", torch.tensor(math.nan)), ValueError, "not a whole count"),
+    "step_of_two_values": (_put("step", torch.ones(2)), ValueError, "tensor of shape"),
+    "group_step_negative": (
+        lambda sd: sd["param_groups"][0].__setitem__("step", -3),
+        ValueError,
+        "param group 0",
+    ),
+    "transposed_moment": (_transpose_first, ValueError, "shape \\(4, 8\\)"),
+    "zero_dim_moment": (_put("exp_avg", torch.tensor(0.5)), ValueError, "shape \\(\\)"),
+    "missing_moment": (lambda sd: _entry(sd).pop("exp_avg_sq"), KeyError, "exp_avg_sq"),
+    "nan_in_moment": (_poison("exp_avg", math.nan), ValueError, "non-finite"),
+    "inf_in_master": (_poison("master_param", math.inf), ValueError, "non-finite"),
+    "group_count": (lambda sd: sd["param_groups"].pop(), ValueError, "param groups"),
+    "param_count": (lambda sd: sd["param_groups"][1]["params"].pop(), ValueError, "group 1"),
+    "unlisted_param": (lambda sd: sd["state"].__setitem__(99, {}), KeyError, "99"),
+    "no_state": (lambda sd: sd.pop("state"), KeyError, "'state'"),
+}
+
+
+def _hdo_snapshot(params, optimizer):
+    """Everything a refused load must leave as it was, with the objects that hold it."""
+    state = {
+        (index, key): (value, value.detach().clone())
+        for index, param in enumerate(params)
+        for key, value in optimizer.state[param].items()
+        if isinstance(value, torch.Tensor)
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return state, groups, [p.detach().clone() for p in params]
+
+
+def _assert_hdo_as_before(params, optimizer, snapshot):
+    state, groups, values = snapshot
+    now, now_groups, now_values = _hdo_snapshot(params, optimizer)
+    assert now.keys() == state.keys()
+    for key, (tensor, value) in state.items():
+        assert now[key][0] is tensor and torch.equal(tensor, value), key
+    assert now_groups == groups
+    assert all(torch.equal(a, b) for a, b in zip(now_values, values))
+
+
+@pytest.mark.parametrize("bad", sorted(HDO_BAD_INPUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_bad_hdo_checkpoint_is_refused_and_changes_nothing(dtype, bad):
+    corrupt, error, message = HDO_BAD_INPUTS[bad]
+    params, optimizer = make_hdo(dtype)
+    twin_params, twin = make_hdo(dtype)
+    train_hdo(params, optimizer, 2, seed=1)
+    train_hdo(twin_params, twin, 2, seed=1)
+    state_dict = saved_hdo(dtype)
+    corrupt(state_dict)
+    snapshot = _hdo_snapshot(params, optimizer)
+    with pytest.raises(error, match=message):
+        optimizer.load_state_dict(state_dict)
+    _assert_hdo_as_before(params, optimizer, snapshot)
+    train_hdo(params, optimizer, 2, seed=2)
+    train_hdo(twin_params, twin, 2, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
+
+
+def test_whole_numbers_load_as_steps_like_torch_converts_them():
+    params, optimizer = make_hdo(torch.float32)
+    twin_params, twin = make_hdo(torch.float32)
+    state_dict = saved_hdo(torch.float32)
+    twin.load_state_dict(state_dict)
+    numbers = saved_hdo(torch.float32)
+    for entry in numbers["state"].values():
+        entry["step"] = int(entry["step"])
+    optimizer.load_state_dict(numbers)
+    assert all(torch.is_tensor(optimizer.state[p]["step"]) for p in params)
+    train_hdo(params, optimizer, 2, seed=2)
+    train_hdo(twin_params, twin, 2, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
+
+
+def test_non_finite_state_loads_with_a_warning_when_told(monkeypatch, caplog):
+    monkeypatch.setenv(checks.NONFINITE_POLICY_ENV, "warn")
+    _, optimizer = make_hdo(torch.float32)
+    state_dict = saved_hdo(torch.float32)
+    _poison("exp_avg", math.nan)(state_dict)
+    with caplog.at_level("WARNING"):
+        optimizer.load_state_dict(state_dict)
+    assert "non-finite" in caplog.text and "parameter 0 'exp_avg': 1" in caplog.text
+    monkeypatch.setenv(checks.NONFINITE_POLICY_ENV, "sometimes")
+    with pytest.raises(ValueError, match="expected one of error, warn, ignore"):
+        optimizer.load_state_dict(saved_hdo(torch.float32))
+
+
+def _fail_on_call(number, exception=RuntimeError("injected fault")):
+    """A function that raises on its ``number``-th call and calls through otherwise."""
+    calls = []
+
+    def wrap(original):
+        def call(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == number:
+                raise exception
+            return original(*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+@pytest.mark.parametrize("phase", ["plan", "commit", "finish"])
+def test_a_fault_in_each_phase_of_an_hdo_load(phase, monkeypatch):
+    """A fault in the plan leaves the optimizer usable and as it was; one in the writes or
+    the finish leaves it refusing to step or save until a complete load, which then resumes
+    exactly."""
+    params, optimizer = make_hdo(torch.bfloat16)
+    train_hdo(params, optimizer, 2, seed=1)
+    source_params, source = make_hdo(torch.bfloat16, seed=3)
+    train_hdo(source_params, source, 3, seed=4)
+    state_dict = source.state_dict()
+    target = {
+        "plan": (checks, "count_nonfinite"),
+        "commit": (HybridDeviceOptimizer, "_settle"),
+        "finish": (HybridDeviceOptimizer, "_hand_back_group_steps"),
+    }[phase]
+    monkeypatch.setattr(*target, _fail_on_call(3 if phase != "finish" else 1)(getattr(*target)))
+    snapshot = _hdo_snapshot(params, optimizer)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        optimizer.load_state_dict(state_dict)
+    monkeypatch.undo()
+    if phase == "plan":
+        _assert_hdo_as_before(params, optimizer, snapshot)
+        train_hdo(params, optimizer, 1, seed=2)
+        return
+    with pytest.raises(RuntimeError, match="load_state_dict did not complete"):
+        optimizer.step()
+    with pytest.raises(RuntimeError, match="load a checkpoint again"):
+        optimizer.state_dict()
+    optimizer.load_state_dict(state_dict)
+    with torch.no_grad():
+        for param, source_param in zip(params, source_params):
+            param.copy_(source_param)
+    train_hdo(params, optimizer, 2, seed=5)
+    train_hdo(source_params, source, 2, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(params, source_params))
+
+
+def _live_tensors():
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+def _host_bytes():
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_a_hundred_hdo_load_cycles_keep_memory_and_tensor_count_flat():
+    params, optimizer = make_hdo(torch.bfloat16)
+    state_dict = saved_hdo(torch.bfloat16)
+    optimizer.load_state_dict(state_dict)
+    train_hdo(params, optimizer, 1, seed=1)
+    start = _live_tensors(), _host_bytes()
+    for cycle in range(100):
+        optimizer.load_state_dict(state_dict)
+        train_hdo(params, optimizer, 1, seed=2 + cycle)
+    assert (_live_tensors(), _host_bytes()) == start
+
+
+# --------------------------------------------------------------------------------------------
+# The DistributedOptimizer (CPU buffers, torch AdamW or the HDO inside)
+# --------------------------------------------------------------------------------------------
+
+
+def _hdo_inner(groups, lr):
+    return HybridDeviceOptimizer(
+        groups,
+        offload_fraction=0.5,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        param_update_in_fp32=True,
+        lr=lr,
+    )
+
+
+INNERS = {"torch_adamw": torch.optim.AdamW, "hdo": _hdo_inner}
+
+
+def build_distopt(inner, seed=0, bucket_size=None):
+    return core.build(core.fork, 1, 0, bucket_size, optimizer_cls=INNERS[inner], seed=seed)
+
+
+def saved_distopt(inner, bucket_size=None):
+    """A dp_reshardable optimizer state dict of a trained optimizer, as a checkpoint holds it."""
+    model, optimizer = build_distopt(inner, seed=3, bucket_size=bucket_size)
+    for seed in range(3):
+        core.train_step(optimizer, model, seed)
+    state_dict = {
+        **optimizer.state_dict(),
+        "param_state": optimizer.get_parameter_state_dp_reshardable(),
+        "param_state_sharding_type": "dp_reshardable",
+    }
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return model, optimizer, torch.load(buffer, weights_only=False)
+
+
+def _first_piece(state_dict):
+    return state_dict["param_state"][0][next(iter(state_dict["param_state"][0]))][0][0]
+
+
+def _another_model(state_dict, inner):
+    _, _, other = saved_distopt(inner, bucket_size=40)
+    state_dict["param_state"] = other["param_state"]
+
+
+def _set_lr_and(corrupt):
+    """Every bad input also carries another learning rate, which a refused load must not
+    leave behind."""
+
+    def apply(state_dict, inner):
+        for group in state_dict["optimizer"]["param_groups"]:
+            group["lr"] = 0.5
+        corrupt(state_dict, inner)
+
+    return apply
+
+
+DISTOPT_BAD_INPUTS = {
+    "another_model_dp_reshardable": (_another_model, ValueError, "another model"),
+    "nan_in_param_state": (
+        lambda sd, _: _first_piece(sd)["exp_avg"].view(-1).__setitem__(0, math.nan),
+        ValueError,
+        "non-finite",
+    ),
+    "group_step_negative": (
+        lambda sd, _: [g.__setitem__("step", -1.0) for g in sd["optimizer"]["param_groups"]],
+        ValueError,
+        "not a whole count",
+    ),
+    "missing_moment": (lambda sd, _: _first_piece(sd).pop("exp_avg_sq"), KeyError, "exp_avg_sq"),
+    "sharding_type_unknown": (
+        lambda sd, _: sd.__setitem__("param_state_sharding_type", "nope"),
+        NotImplementedError,
+        "nope",
+    ),
+}
+
+
+def _distopt_snapshot(optimizer):
+    inner = optimizer.optimizer
+    state = {
+        (id(param), key): (value, value.detach().clone())
+        for param, entry in inner.state.items()
+        for key, value in entry.items()
+        if isinstance(value, torch.Tensor)
+    }
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    return state, groups, [b.param_data.clone() for b in optimizer.buffers]
+
+
+def _assert_distopt_as_before(optimizer, snapshot):
+    state, groups, buffers = snapshot
+    now, now_groups, now_buffers = _distopt_snapshot(optimizer)
+    assert now.keys() == state.keys()
+    for key, (tensor, value) in state.items():
+        assert now[key][0] is tensor and torch.equal(tensor, value), key
+    assert now_groups == groups
+    assert all(torch.equal(a, b) for a, b in zip(now_buffers, buffers))
+
+
+def _train_alike(pairs, seeds):
+    for seed in seeds:
+        for model, optimizer in pairs:
+            core.train_step(optimizer, model, seed)
+    (model, _), (twin_model, _) = pairs
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("bad", sorted(DISTOPT_BAD_INPUTS))
+@pytest.mark.parametrize("inner", sorted(INNERS))
+def test_a_bad_distributed_checkpoint_is_refused_and_changes_nothing(inner, bad):
+    corrupt, error, message = DISTOPT_BAD_INPUTS[bad]
+    pair = [build_distopt(inner), build_distopt(inner)]
+    _train_alike(pair, range(2))
+    (_, optimizer), _ = pair
+    _, _, state_dict = saved_distopt(inner)
+    _set_lr_and(corrupt)(state_dict, inner)
+    snapshot = _distopt_snapshot(optimizer)
+    with pytest.raises(error, match=message):
+        optimizer.load_state_dict(state_dict)
+    _assert_distopt_as_before(optimizer, snapshot)
+    _train_alike(pair, range(2, 4))
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("phase", ["commit", "finish"])
+@pytest.mark.parametrize("inner", sorted(INNERS))
+def test_a_fault_while_a_distributed_load_writes(inner, phase, monkeypatch):
+    """The plan phase is the bad-input table above; here the writes or the finish fail."""
+    model, optimizer = build_distopt(inner)
+    core.train_step(optimizer, model, 0)
+    source_model, source, state_dict = saved_distopt(inner)
+    method = {"commit": "write", "finish": "finish_load"}[phase]
+    InnerState = type(optimizer.inner_state)
+    monkeypatch.setattr(InnerState, method, _fail_on_call(2)(getattr(InnerState, method)))
+    with pytest.raises(RuntimeError, match="injected fault"):
+        optimizer.load_state_dict(state_dict)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="load_state_dict failed while writing"):
+        optimizer.step_with_ready_grads()
+    with pytest.raises(RuntimeError, match="load a checkpoint again"):
+        optimizer.state_dict()
+    optimizer.load_state_dict(state_dict)
+    with torch.no_grad():
+        for param, source_param in zip(model.parameters(), source_model.parameters()):
+            param.copy_(source_param)
+    _train_alike([(model, optimizer), (source_model, source)], range(3, 5))
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+@pytest.mark.parametrize("inner", sorted(INNERS))
+def test_a_hundred_distributed_load_cycles_keep_memory_and_tensor_count_flat(inner):
+    model, optimizer = build_distopt(inner)
+    _, _, state_dict = saved_distopt(inner)
+    optimizer.load_state_dict(state_dict)
+    core.train_step(optimizer, model, 0)
+    start = _live_tensors(), _host_bytes()
+    for cycle in range(100):
+        optimizer.load_state_dict(state_dict)
+        core.train_step(optimizer, model, 1 + cycle)
+    assert (_live_tensors(), _host_bytes()) == start
