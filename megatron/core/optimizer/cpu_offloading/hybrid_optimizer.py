@@ -363,6 +363,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Without accelerator parameters the host plays the device's part, so the offloaded
         # share still runs on separate copies (CPU-only hosts test the real path).
         self._host_only = not on_device
+        if self._host_only:
+            # Nothing to copy across devices: no stream to order copies on, even where CUDA
+            # exists (a CPU-only model in a CUDA process).
+            self._d2h_stream = self._h2d_stream = None
         candidates = params if self._host_only else on_device
         budget = self.offload_fraction * sum(p.numel() for p in candidates)
         candidate_ids = {id(p) for p in candidates}
