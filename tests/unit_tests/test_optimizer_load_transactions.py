@@ -321,6 +321,13 @@ DISTOPT_BAD_INPUTS = {
         "not a whole count",
     ),
     "missing_moment": (lambda sd, _: _first_piece(sd).pop("exp_avg_sq"), KeyError, "exp_avg_sq"),
+    "piece_not_flat": (
+        lambda sd, _: _first_piece(sd).__setitem__(
+            "exp_avg", _first_piece(sd)["exp_avg"].reshape(1, -1)
+        ),
+        ValueError,
+        "only that shape or its flat",
+    ),
     "sharding_type_unknown": (
         lambda sd, _: sd.__setitem__("param_state_sharding_type", "nope"),
         NotImplementedError,

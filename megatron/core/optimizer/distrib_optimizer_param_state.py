@@ -339,7 +339,7 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
                     # Entries handed back by distributed checkpointing carry the live step
                     # tensor rather than a saved one; only a plain dict's step is trusted.
                     if plain and entry.get("step") is not None:
-                        steps.add(int(entry["step"]))
+                        steps.add(int(checks.step_value(entry["step"], f"a piece in {where}")))
         if len(steps) > 1:
             raise ValueError(f"the checkpoint's parameters disagree on the step: {sorted(steps)}")
         return writes, (steps.pop() if steps else None)
@@ -390,6 +390,7 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
                     f"'{key}' of a parameter in {where} should have {numel} elements, the "
                     f"checkpoint has {size}"
                 )
+            checks.check_state_shape(value, (numel,), key, f"a parameter in {where}")
             tensors[key] = value
         return tensors
 
