@@ -25,6 +25,7 @@ __all__ = [
     "ForkOverlayFinder",
     "fork_package_dir",
     "fork_root",
+    "imported_megatron_core_version",
     "install",
     "installed_megatron_core_version",
     "is_active",
@@ -154,6 +155,40 @@ def installed_megatron_core_version():
     return getattr(package_info, "__version__", None)
 
 
+def imported_megatron_core_version():
+    """Reads the version of the megatron-core tree that ``import megatron.core`` resolved to.
+
+    That tree is the one whose optimizer package the overlay would extend: a Megatron-LM
+    checkout first on the path shadows the installed release. Its ``package_info`` (which
+    ``megatron.core`` imports itself) answers, or that file read as text; without
+    ``megatron.core`` imported, the installed distribution's metadata answers.
+
+    Returns:
+        tuple: ``(version or None, the tree's folder or None)``.
+    """
+    core = sys.modules.get("megatron.core")
+    if core is None or not getattr(core, "__file__", None):
+        return installed_megatron_core_version(), None
+    folder = os.path.dirname(os.path.abspath(core.__file__))
+    info = sys.modules.get("megatron.core.package_info")
+    if getattr(info, "__version__", None):
+        return info.__version__, folder
+    import re  # pylint: disable=import-outside-toplevel
+
+    try:
+        with open(os.path.join(folder, "package_info.py"), encoding="utf-8") as source:
+            text = source.read()
+    except OSError:
+        return installed_megatron_core_version(), folder
+    fields = dict(
+        re.findall(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*['\"]?([^'\"\s]*)", text, re.M)
+    )
+    if not {"MAJOR", "MINOR", "PATCH"} <= set(fields):
+        return installed_megatron_core_version(), folder
+    numbers = ".".join(fields[key] for key in ("MAJOR", "MINOR", "PATCH"))
+    return numbers + fields.get("PRE_RELEASE", ""), folder
+
+
 def _is_supported(version):
     """Tells whether a megatron-core version string matches the supported release.
 
@@ -163,16 +198,17 @@ def _is_supported(version):
 
 
 def _check_megatron_core_version():
-    """Raises ImportError when the installed megatron-core is not the supported release."""
-    version = installed_megatron_core_version()
+    """Raises ImportError when the imported megatron-core is not the supported release."""
+    version, folder = imported_megatron_core_version()
     if version is None or _is_supported(version):
         return
+    where = f" at {folder}" if folder else ""
     raise ImportError(
         f"megatron-core-optimizer-fork supports megatron-core {SUPPORTED_MEGATRON_CORE} only, "
-        f"but megatron-core {version} is installed. Install megatron-core=="
-        f"{SUPPORTED_MEGATRON_CORE}, or switch the optimizer fork's import overlay off by "
-        f"setting the environment variable {ENV_VAR}=0 (or uninstall "
-        f"megatron-core-optimizer-fork)."
+        f"but the megatron-core being imported{where} is {version}. Install megatron-core=="
+        f"{SUPPORTED_MEGATRON_CORE} (or put its tree first on the path), vendor the fork into "
+        f"that tree instead, or switch the optimizer fork's import overlay off by setting the "
+        f"environment variable {ENV_VAR}=0 (or uninstall megatron-core-optimizer-fork)."
     )
 
 

@@ -19,8 +19,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 fork = pytest.importorskip(
     "megatron_optimizer_fork", reason="megatron-core-optimizer-fork is not importable here"
@@ -207,18 +209,21 @@ def test_finder_steps_aside_when_switched_off(monkeypatch):
 def test_finder_refuses_an_unsupported_megatron_core(monkeypatch):
     """A megatron-core release other than 0.19.2 is refused with a clear message."""
     monkeypatch.delenv(fork.ENV_VAR, raising=False)
-    monkeypatch.setattr(fork, "installed_megatron_core_version", lambda: "0.18.1")
+    monkeypatch.setattr(
+        fork, "imported_megatron_core_version", lambda: ("0.18.1", "/checkouts/Megatron-LM")
+    )
     with pytest.raises(ImportError) as caught:
         fork.ForkOverlayFinder().find_spec("megatron.core.optimizer", _core_search_path())
     message = str(caught.value)
     assert "0.18.1" in message and "0.19.2" in message and f"{fork.ENV_VAR}=0" in message
+    assert "/checkouts/Megatron-LM" in message
 
 
 @pytest.mark.parametrize("version", [None, "0.19.2", "0.19.2+3f2a1bc"])
 def test_finder_accepts_supported_or_unknown_versions(monkeypatch, version):
     """The supported release (a local label aside) passes, and so does no megatron-core."""
     monkeypatch.delenv(fork.ENV_VAR, raising=False)
-    monkeypatch.setattr(fork, "installed_megatron_core_version", lambda: version)
+    monkeypatch.setattr(fork, "imported_megatron_core_version", lambda: (version, None))
     spec = fork.ForkOverlayFinder().find_spec("megatron.core.optimizer", _core_search_path())
     assert spec is not None
 
@@ -299,29 +304,45 @@ def test_switch_off_serves_upstream_modules(tmp_path):
 
 
 def test_unsupported_megatron_core_is_refused_at_import(tmp_path):
-    """Importing megatron-core beside another release fails naming both versions."""
-    code = textwrap.dedent("""
-        import importlib.metadata, json
-        real_version = importlib.metadata.version
-
-        def pretend_version(name):
-            if name.replace("_", "-").lower() == "megatron-core":
-                return "0.18.0"
-            return real_version(name)
-
-        importlib.metadata.version = pretend_version
+    """A megatron-core tree of another release first on the path (a Megatron-LM checkout
+    beside the installed 0.19.2) is refused at import, naming both versions and the tree."""
+    tree = tmp_path / "Megatron-LM"
+    core = tree / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tree / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("from megatron.core import package_info\n")
+    (core / "package_info.py").write_text(
+        "MAJOR = 0\nMINOR = 18\nPATCH = 0\nPRE_RELEASE = ''\n__version__ = '0.18.0'\n"
+    )
+    code = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(tree)!r})
         try:
             import megatron.core.optimizer
         except ImportError as error:
-            outcome = {"error": str(error)}
+            outcome = {{"error": str(error)}}
         else:
-            outcome = {"error": None}
+            outcome = {{"error": None}}
         print("FORK_TEST_RESULT=" + json.dumps(outcome))
         """)
     report = _run_child(code, tmp_path)
     assert report["error"], "an unsupported megatron-core was accepted"
-    for needle in ("0.18.0", "0.19.2", f"{fork.ENV_VAR}=0"):
+    for needle in ("0.18.0", "0.19.2", f"{fork.ENV_VAR}=0", str(core)):
         assert needle in report["error"]
+
+
+def test_the_imported_tree_is_what_is_checked(monkeypatch, tmp_path):
+    """The version comes from the tree ``megatron.core`` was imported from, read as text when
+    its ``package_info`` is not imported."""
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 20\nPATCH = 1\nPRE_RELEASE = 'rc2'\n")
+    monkeypatch.setitem(
+        sys.modules, "megatron.core", SimpleNamespace(__file__=str(core / "__init__.py"))
+    )
+    monkeypatch.delitem(sys.modules, "megatron.core.package_info", raising=False)
+    assert fork.imported_megatron_core_version() == ("0.20.1rc2", str(core))
 
 
 def test_installed_files_keep_out_of_megatron():
@@ -446,3 +467,22 @@ def test_upstream_modules_with_relative_imports_load_beside_the_fork():
         os.path.realpath(os.path.dirname(importlib.import_module("megatron.core").__file__))
     )
     assert fork.load_upstream_module("optimizer.distrib_optimizer") is module
+
+
+def test_a_fork_class_says_once_which_implementation_runs(monkeypatch, caplog):
+    """The first HybridDeviceOptimizer of a process logs the fork, its version and its file;
+    later ones stay quiet. The DistributedOptimizer module carries the fork's marker too."""
+    fork_info = pytest.importorskip("megatron.core.optimizer.fork_info")
+    from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    monkeypatch.setattr(fork_info, "_announced", set())
+    params = [torch.nn.Parameter(torch.ones(4))]
+    with caplog.at_level("INFO", logger=fork_info.__name__):
+        HybridDeviceOptimizer(params, cpu_optimizer_cls=torch.optim.AdamW, lr=0.1)
+        HybridDeviceOptimizer(params, cpu_optimizer_cls=torch.optim.AdamW, lr=0.1)
+    lines = [r.getMessage() for r in caplog.records if r.name == fork_info.__name__]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("HybridDeviceOptimizer: megatron-core-optimizer-fork ")
+    assert fork_info.fork_version() in lines[0] and "hybrid_optimizer.py" in lines[0]
+    assert getattr(distrib_optimizer, "FORK_IMPLEMENTATION", False)

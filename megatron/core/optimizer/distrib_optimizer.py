@@ -41,7 +41,7 @@ from megatron.core.fp8_utils import (
     quantize_param_shard,
 )
 from megatron.core.optimizer import distrib_optimizer_ranges as ranges
-from megatron.core.optimizer import fused_adam_state_load
+from megatron.core.optimizer import fork_info, fused_adam_state_load
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer_param_state import (
@@ -76,6 +76,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# Lets tests and tools tell this implementation from upstream's.
+FORK_IMPLEMENTATION = True
 
 
 def _find_adam() -> Tuple[type, bool, bool]:
@@ -496,6 +499,7 @@ class DistributedOptimizer(
         self.ddp_config = ddp_config
         self.distributed_optimizer_instance_id = distributed_optimizer_instance_id
 
+        fork_info.announce(type(self))
         # Set while a load is writing and left set when it fails there (state_load_checks).
         self._load_guard = checks.LoadGuard(type(self).__name__)
         self._planned_param_state = None

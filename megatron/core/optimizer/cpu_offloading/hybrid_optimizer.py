@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
+from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
@@ -237,6 +238,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         overlap_cpu_optimizer_d2h_h2d: bool = True,
         **kwargs: Any,
     ):
+        fork_info.announce(type(self))
         options = dict(
             offload_fraction=offload_fraction,
             cpu_optimizer_cls=cpu_optimizer_cls,
