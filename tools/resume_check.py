@@ -255,14 +255,32 @@ def report(results, device, args):
             print(f"\n{name}: {results[name]['error']}")
 
 
-def plot(results, path):
-    """Memory over the phases, one line per implementation and figure."""
-    import matplotlib  # pylint: disable=import-outside-toplevel
+def plot(results, path, device="cuda", args=None):
+    """Memory over the phases, one line per implementation and figure.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    Returns:
+        str or None: None when the PNG was written, else why not (no matplotlib here).
+    """
+    try:
+        import matplotlib  # pylint: disable=import-outside-toplevel
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    except ImportError as error:
+        return f"no plot: matplotlib is not importable ({error})"
 
     figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    config = ""
+    if args is not None:
+        config = (
+            f": bf16 MLP {args.layers}x{args.hidden}, offload fraction {args.offload_fraction}, "
+            f"{args.steps} steps, checkpoint, {args.resume_steps} more"
+        )
+    absent = [name for name, result in results.items() if "error" in result]
+    figure.suptitle(
+        f"Resume check on {device}{config}"
+        + (f" ({', '.join(absent)}: could not run, see the JSON)" if absent else "")
+    )
     for axis, (key, title) in zip(
         axes,
         [
@@ -271,18 +289,31 @@ def plot(results, path):
             ("rss", "process RSS"),
         ],
     ):
+        measured = key == "rss" or device == "cuda"
         for name, result in results.items():
-            if "error" in result:
+            if "error" in result or not measured:
                 continue
             values = [result["phases"][phase][key] / 2**20 for phase in PHASES]
             axis.plot(range(len(PHASES)), values, marker="o", label=name)
+        if not measured:
+            axis.text(
+                0.5,
+                0.5,
+                "not measured: this host has no CUDA device",
+                ha="center",
+                va="center",
+                transform=axis.transAxes,
+            )
         axis.set_title(title)
         axis.set_ylabel("MiB")
         axis.set_xticks(range(len(PHASES)))
         axis.set_xticklabels(PHASES, rotation=30, ha="right", fontsize=8)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None
 
 
 IMPLEMENTATIONS = {"upstream 0.19.2": upstream_class, "fork": fork_class}
@@ -445,33 +476,121 @@ def _ms_or_dash(value):
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def main():
-    """Parse arguments, run both implementations, report and plot."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--resume-steps", type=int, default=3)
-    parser.add_argument("--offload-fraction", type=float, default=0.5)
-    parser.add_argument("--gpu-optimizer", choices=sorted(GPU_OPTIMIZERS), default="adamw")
-    parser.add_argument("--out", default="results")
-    parser.add_argument(
-        "--dist-hidden", type=int, default=1024, help="width of the distributed run's model"
+EPILOG = """\
+outputs (in --out):
+  resume_check_<device>_<optimizer>_<fraction>.json   both implementations' figures, written
+                                                      before the plot
+  resume_check_<device>_<optimizer>_<fraction>.png    memory over the phases (needs matplotlib)
+  resume_check_distributed_<...>.json, logs_fork/, logs_upstream/
+                                                      the DDP + DistributedOptimizer part (CUDA)
+
+exit codes:
+  0  PASS: the fork resumed bit-exactly in every case it ran
+  1  FAIL: the fork did not resume exactly, or could not run (the last line says which)
+  2  bad command line
+"""
+
+
+def build_parser():
+    """The command line: every option with its help and default."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", 1)[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--dist-ffn", type=int, default=4096, help="inner width of the distributed run's model"
+    option = parser.add_argument
+
+    def default(text):
+        return text + " (default: %(default)s)"
+
+    option(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help=default("where the model and the in-place optimizer live; auto picks CUDA if any"),
     )
-    parser.add_argument(
+    option("--hidden", type=int, default=512, help=default("width of the MLP's layers"))
+    option("--layers", type=int, default=4, help=default("number of linear layers"))
+    option("--batch", type=int, default=32, help=default("batch size of each step"))
+    option("--steps", type=int, default=5, help=default("steps before the checkpoint"))
+    option("--resume-steps", type=int, default=3, help=default("steps after it, on both runs"))
+    option(
+        "--offload-fraction",
+        type=float,
+        default=0.5,
+        help=default("share of the parameters the HDO steps on the host"),
+    )
+    option(
+        "--gpu-optimizer",
+        choices=sorted(GPU_OPTIMIZERS),
+        default="adamw",
+        help=default("torch optimizer of the in-place half"),
+    )
+    option("--out", default="results", help=default("folder for the JSON, PNG and logs"))
+    option(
+        "--dist-hidden",
+        type=int,
+        default=1024,
+        help=default("width of the distributed run's model"),
+    )
+    option(
+        "--dist-ffn",
+        type=int,
+        default=4096,
+        help=default("inner width of the distributed run's model"),
+    )
+    option(
         "--distributed",
         choices=["auto", "off"],
         default="auto",
-        help="also resume a DDP + DistributedOptimizer run (needs CUDA)",
+        help=default("also resume a DDP + DistributedOptimizer run (needs CUDA)"),
     )
-    parser.add_argument("--implementation", choices=sorted(IMPLEMENTATIONS), help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    option("--implementation", choices=sorted(IMPLEMENTATIONS), help=argparse.SUPPRESS)
+    option("--result-file", help=argparse.SUPPRESS)
+    return parser
+
+
+def verdict(results, distributed):
+    """``(passed, why)``: the fork resumed exactly in the single-process check and in every
+    distributed case it ran."""
+    fork = results.get("fork", {})
+    if "error" in fork:
+        return False, f"the fork's resume check failed: {fork['error'][:200]}"
+    if not fork.get("exact"):
+        return (
+            False,
+            f"the fork's resumed parameters differ (max |diff| {fork.get('max_abs_diff')})",
+        )
+    ran = {
+        k: r for k, r in (distributed or {}).items() if "fork2fork" in k and not r.get("skipped")
+    }
+    inexact = sorted(k for k, r in ran.items() if not r.get("exact"))
+    if inexact:
+        return (
+            False,
+            f"the fork did not resume exactly in {len(inexact)} distributed cases: {inexact}",
+        )
+    upstream = results.get("upstream 0.19.2", {})
+    beside = (
+        "upstream could not run"
+        if "error" in upstream
+        else (
+            "upstream "
+            + ("resumed exactly too" if upstream.get("exact") else "did not resume exactly")
+        )
+    )
+    scope = f" and in {len(ran)} distributed cases" if ran else ""
+    return True, f"the fork resumed bit-exactly in the single-process check{scope}; {beside}"
+
+
+def progress(message):
+    """A line saying which phase starts, shown at once."""
+    print(f"[resume check] {message}", flush=True)
+
+
+def main(argv=None):
+    """Parse arguments, run both implementations, report, write the results, plot."""
+    args = build_parser().parse_args(argv)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -481,24 +600,28 @@ def main():
         with open(args.result_file, "w", encoding="utf-8") as out:
             json.dump(result, out)
         return 0
-    results = {name: run_in_own_process(name, device) for name in IMPLEMENTATIONS}
+    results = {}
+    for index, name in enumerate(IMPLEMENTATIONS, 1):
+        progress(f"{index}/{len(IMPLEMENTATIONS)}: {name}: train, checkpoint, resume on {device}")
+        results[name] = run_in_own_process(name, device)
     report(results, device, args)
     os.makedirs(args.out, exist_ok=True)
     tag = f"{device}_{args.gpu_optimizer}_{args.offload_fraction}"
-    png = os.path.join(args.out, f"resume_check_{tag}.png")
-    plot(results, png)
-    with open(os.path.join(args.out, f"resume_check_{tag}.json"), "w", encoding="utf-8") as out:
+    json_path = os.path.join(args.out, f"resume_check_{tag}.json")
+    with open(json_path, "w", encoding="utf-8") as out:
         json.dump({"device": device, "args": vars(args), "results": results}, out, indent=1)
-    print(f"\nplot: {png}")
+    print(f"\nresults: {json_path}")
+    png = os.path.join(args.out, f"resume_check_{tag}.png")
+    skipped = plot(results, png, device, args)
+    print(f"plot: {png}" if skipped is None else skipped)
+    if args.distributed != "off":
+        progress("distributed optimizer: DDP + DistributedOptimizer resume, fork then upstream")
     distributed = distributed_check(
         args, device, os.path.join(args.out, f"resume_check_distributed_{tag}.json")
     )
-    fork_exact = all(
-        r.get("exact")
-        for k, r in (distributed or {}).items()
-        if "fork2fork" in k and not r.get("skipped")
-    )
-    return 0 if results["fork"].get("exact") and fork_exact else 1
+    passed, why = verdict(results, distributed)
+    print(f"\n{'PASS' if passed else 'FAIL'}: {why}")
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

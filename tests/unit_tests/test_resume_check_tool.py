@@ -136,3 +136,47 @@ def test_nothing_runs_without_cuda_or_when_switched_off(main_job, tmp_path, caps
     off = Namespace(distributed="off", offload_fraction=0.5, dist_hidden=64, dist_ffn=96)
     assert main_job.distributed_check(off, "cuda", None, tool=driver) is None
     assert not driver.calls
+
+
+def test_every_option_has_help_with_its_default_and_the_epilog_names_outputs(main_job):
+    parser = main_job.build_parser()
+    shown = [a for a in parser._actions if a.help not in (None, "==SUPPRESS==")]
+    for action in shown:
+        if action.dest != "help":
+            assert "%(default)s" in action.help, action.dest
+    text = parser.format_help()
+    for needle in ("exit codes", "PASS", "FAIL", ".json", ".png", "written\n"):
+        assert needle in text, needle
+
+
+def test_without_matplotlib_the_plot_says_why_and_nothing_crashes(main_job, monkeypatch, tmp_path):
+    import builtins  # pylint: disable=import-outside-toplevel
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    reason = main_job.plot({"fork": {"error": "x"}}, str(tmp_path / "p.png"), "cpu")
+    assert reason.startswith("no plot: matplotlib is not importable")
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize(
+    "fork, distributed, passed, needle",
+    [
+        ({"exact": True}, None, True, "bit-exactly in the single-process check; upstream"),
+        ({"exact": True}, {"a-fork2fork": {"exact": True}}, True, "in 1 distributed cases"),
+        ({"exact": True}, {"a-fork2fork": {"exact": False}}, False, "['a-fork2fork']"),
+        ({"exact": True}, {"a-fork2fork": {"skipped": "no TE"}}, True, "single-process check;"),
+        ({"exact": False, "max_abs_diff": 0.5}, None, False, "differ (max |diff| 0.5)"),
+        ({"error": "boom"}, None, False, "failed: boom"),
+    ],
+)
+def test_the_verdict_says_pass_or_fail_and_why(main_job, fork, distributed, passed, needle):
+    results = {"upstream 0.19.2": {"error": "cannot run"}, "fork": fork}
+    outcome, why = main_job.verdict(results, distributed)
+    assert outcome is passed and needle in why, why
