@@ -1025,3 +1025,129 @@ def test_the_pinning_plan_puts_the_ring_first_and_stays_within_budget(
         m for m, p in zip(masters, pinned) if p
     )
     assert used <= budget or slots == 1
+
+
+class ConvNet(torch.nn.Module):
+    """Convolutions, pooling and linear layers: weights and biases of many shapes."""
+
+    def __init__(self, width=120):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 6, 5),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(6, 16, 5),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+        )
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(16 * 5 * 5, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 84),
+            torch.nn.ReLU(),
+            torch.nn.Linear(84, 10),
+        )
+
+    def forward(self, x):  # pylint: disable=missing-function-docstring
+        return self.head(self.features(x))
+
+
+def _grouped(params, with_groups):
+    """Megatron-style groups (with keys the optimizers ignore), or the plain list."""
+    if not with_groups:
+        return params
+    half = len(params) // 2
+    return [
+        {"params": params[:half], "wd_mult": 1.0, "lr_mult": 1e-4},
+        {"params": params[half:], "wd_mult": 0.0, "lr_mult": 2e-4, "weight_decay": 0.01},
+    ]
+
+
+@pytest.mark.parametrize("n_steps", [1, 10])
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.SGD, torch.optim.Adam], ids=["sgd", "adam"])
+@pytest.mark.parametrize("with_groups", [False, True], ids=["one_group", "two_groups"])
+def test_a_network_trains_as_its_optimizer_class_would_where_each_parameter_steps(
+    with_groups, optimizer_cls, fraction, overlap, n_steps
+):
+    """Each parameter follows the optimizer class it is given to, run where the HDO steps it
+    (its host copy or in place), bit for bit; state appears with the first step, beside the
+    tensor it belongs to."""
+    torch.manual_seed(42)
+    net = ConvNet().to(DEVICE)
+    params = list(net.parameters())
+    optimizer = HybridDeviceOptimizer(
+        _grouped(params, with_groups),
+        offload_fraction=fraction,
+        cpu_optimizer_cls=optimizer_cls,
+        gpu_optimizer_cls=optimizer_cls,
+        overlap_cpu_optimizer_d2h_h2d=overlap,
+        lr=1e-3,
+    )
+    assert not optimizer.state_dict()["state"]
+    settings = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            settings[param] = {k: v for k, v in group.items() if k != "params"}
+    twins = {}
+    for param in params:
+        where = optimizer.param_to_inner_param[param].device
+        twin = param.detach().to(where, copy=True)
+        twins[param] = (twin, optimizer_cls([{"params": [twin], **settings[param]}]))
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(n_steps):
+        batch = torch.randn(2, 3, 32, 32, generator=generator).to(DEVICE)
+        net(batch).sum().backward()
+        for param, (twin, reference) in twins.items():
+            twin.grad = param.grad.to(twin.device)
+            reference.step()
+        optimizer.step()
+        optimizer.zero_grad()
+    for param, (twin, reference) in twins.items():
+        assert torch.equal(param.detach().cpu(), twin.cpu())
+        inner = optimizer.param_to_inner_param[param]
+        for key, value in reference.state[twin].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                mine = optimizer.state[param][key]
+                assert mine.device == inner.device and torch.equal(mine.cpu(), value.cpu()), key
+    if optimizer_cls is torch.optim.Adam:
+        assert len(optimizer.state_dict()["state"]) == len(params)
+
+
+@requires_cuda
+@pytest.mark.parametrize("fraction", FRACTIONS)
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.SGD, torch.optim.Adam], ids=["sgd", "adam"])
+def test_back_to_back_steps_of_a_large_network_keep_copies_in_order(optimizer_cls, fraction):
+    """Ten steps in a row, no reference run in between: each step's downloads and uploads of a
+    network with layers of millions of elements (buckets of their own, slots reused) finish
+    before the next step reads or writes them."""
+    torch.manual_seed(42)
+    net = ConvNet(width=16384).cuda()
+    hybrid = HybridDeviceOptimizer(
+        list(net.parameters()),
+        offload_fraction=fraction,
+        cpu_optimizer_cls=optimizer_cls,
+        gpu_optimizer_cls=optimizer_cls,
+        overlap_cpu_optimizer_d2h_h2d=True,
+        lr=1e-3,
+    )
+    # The reference steps each parameter where the HDO does, so the two agree bit for bit.
+    placed = [
+        p.detach().to(hybrid.param_to_inner_param[p].device, copy=True) for p in net.parameters()
+    ]
+    reference = [optimizer_cls([t], lr=1e-3) for t in placed]
+    batches = [torch.randn(2, 3, 32, 32, device="cuda") for _ in range(10)]
+    grads = []
+    for batch in batches:
+        net(batch).sum().backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        hybrid.step()
+        hybrid.zero_grad()
+    for step_grads in grads:
+        for tensor, grad, ref in zip(placed, step_grads, reference):
+            tensor.grad = grad.to(tensor.device)
+            ref.step()
+    for param, tensor in zip(net.parameters(), placed):
+        assert torch.equal(param.detach().cpu(), tensor.cpu())
