@@ -1151,3 +1151,40 @@ def test_back_to_back_steps_of_a_large_network_keep_copies_in_order(optimizer_cl
             ref.step()
     for param, tensor in zip(net.parameters(), placed):
         assert torch.equal(param.detach().cpu(), tensor.cpu())
+
+
+def _mixed_precision_params(seed):
+    """bf16 parameters beside ones kept in fp32 (Megatron's ``mark_keep_in_fp32`` where the
+    tree has it): the fp32 ones get no fp32 copy under ``param_update_in_fp32``."""
+    try:
+        from megatron.core.transformer.module import (  # pylint: disable=import-outside-toplevel
+            mark_keep_in_fp32,
+        )
+    except ImportError:
+        mark_keep_in_fp32 = None
+    params = make_params(torch.bfloat16, seed=seed)
+    kept = make_params(torch.float32, seed=seed + 100)[:3]
+    for param in kept:
+        if mark_keep_in_fp32 is not None:
+            mark_keep_in_fp32(param)
+    return params[:2] + kept + params[2:]
+
+
+@pytest.mark.parametrize("fraction", FRACTIONS)
+def test_native_fp32_parameters_beside_bf16_ones_resume_exactly(fraction):
+    params = _mixed_precision_params(seed=0)
+    optimizer = make_optimizer(params, fraction)
+    assert any(p.dtype == torch.float32 for p in params)
+    assert all(p not in optimizer.param_to_fp32_param for p in params if p.dtype == torch.float32)
+    train(params, optimizer, 3, seed=1)
+    saved = checkpoint(optimizer)
+    saved_params = [p.detach().clone() for p in params]
+    train(params, optimizer, 2, seed=2)
+
+    resumed_params = _mixed_precision_params(seed=5)
+    resumed = make_optimizer(resumed_params, fraction)
+    copy_params(resumed_params, saved_params)
+    resumed.load_state_dict(saved)
+    resumed._sync_hdo_state_to_sub_optimizers()  # pylint: disable=protected-access
+    train(resumed_params, resumed, 2, seed=2)
+    assert_equal_params(resumed_params, params)
