@@ -274,3 +274,24 @@ def test_empty_parameters_get_no_state_and_do_not_block_materialisation():
     assert access.is_materialised()
     assert empty not in optimizer.state or not optimizer.state[empty]
     assert all(access.read(p)["exp_avg"].shape == p.shape for p in params)
+
+
+def test_the_implementation_is_chosen_once_by_what_the_optimizer_offers():
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+    plain = InnerOptimizerState(torch.optim.AdamW(params))
+    scaled = InnerOptimizerState(ScaledStateDouble(params), precision_aware=True)
+    unscaled = InnerOptimizerState(ScaledStateDouble(params), precision_aware=False)
+    hybrid = InnerOptimizerState(
+        HybridDeviceOptimizer(
+            params, cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW, lr=0.1
+        )
+    )
+    assert type(plain) is InnerOptimizerState and type(unscaled) is InnerOptimizerState
+    assert type(scaled) is _contract.ScaledFusedAdamState and scaled.scaled
+    assert type(hybrid) is _contract.HybridDeviceOptimizerState and hybrid.builds_own_state
+    assert not plain.builds_own_state and not plain.keeps_copies and hybrid.keeps_copies
+    # Saved groups list the parameters as running indices, without touching the state.
+    assert [g["params"] for g in plain.saved_param_groups()] == [[0, 1]]
+    assert [g["params"] for g in hybrid.saved_param_groups()] == [[0, 1]]
+    assert plain.counts_steps_per_param() and hybrid.counts_steps_per_param()
+    assert not InnerOptimizerState(CountsStepInGroups(params)).counts_steps_per_param()

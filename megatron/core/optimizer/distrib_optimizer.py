@@ -41,7 +41,7 @@ from megatron.core.fp8_utils import (
     quantize_param_shard,
 )
 from megatron.core.optimizer import distrib_optimizer_ranges as ranges
-from megatron.core.optimizer import fork_info, fused_adam_state_load
+from megatron.core.optimizer import fork_info, fused_adam_state_load, inner_optimizer_state
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer_param_state import (
@@ -136,34 +136,6 @@ def _clear_main_param_slots(param_groups: List[Dict]) -> None:
             param.main_param, param.main_param_sharded = None, True
 
 
-def _creates_own_state(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer materialises its state itself, where it keeps it.
-
-    The HybridDeviceOptimizer does (``dummy_step``), placing offloaded state on the host; the
-    distributed optimizer must then neither allocate state for it nor rebuild it.
-    """
-    return callable(getattr(optimizer, "dummy_step", None))
-
-
-def _param_groups_as_saved(optimizer: torch.optim.Optimizer) -> List[Dict]:
-    """The inner optimizer's param groups as its ``state_dict`` lists them (parameters as
-    running indices), read without its state.
-
-    TE FusedAdam's ``state_dict`` returns every precision-aware state tensor as a new fp32
-    copy, far too much to build for the groups alone. The HybridDeviceOptimizer's groups come
-    from its own ``state_dict``, which describes its sub-optimizers.
-    """
-    if _creates_own_state(optimizer):
-        return optimizer.state_dict()["param_groups"]
-    groups, start = [], 0
-    for group in optimizer.param_groups:
-        saved = {key: value for key, value in group.items() if key != "params"}
-        saved["params"] = list(range(start, start + len(group["params"])))
-        start += len(group["params"])
-        groups.append(saved)
-    return groups
-
-
 def _counts_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer keeps its step in each parameter's state (torch's Adam family)
     rather than in its param groups (TE/Apex FusedAdam)."""
@@ -174,7 +146,9 @@ def _check_supported_optimizer(optimizer, init_state_fn) -> None:
     """Refuse an inner optimizer whose state cannot be created for checkpoint loading."""
     if optimizer is None or init_state_fn is not None:
         return
-    if isinstance(optimizer, (Adam, torch.optim.AdamW)) or _creates_own_state(optimizer):
+    if isinstance(optimizer, (Adam, torch.optim.AdamW)):
+        return
+    if inner_optimizer_state.kind_of(optimizer).builds_own_state:
         return
     raise AssertionError(
         f"DistributedOptimizer cannot wrap {type(optimizer).__name__}: its state could not be "
@@ -616,12 +590,7 @@ class DistributedOptimizer(
         if self.is_stub_optimizer:
             raise RuntimeError("a stub DistributedOptimizer (no inner optimizer) has no state dict")
         self._load_guard.check("save its state")
-        if _creates_own_state(self.optimizer):
-            inner = self.optimizer.state_dict()
-            saved = {key: value for key, value in inner.items() if key != "state"}
-        else:
-            # Not through the inner state_dict, which copies precision-aware FusedAdam state.
-            saved = {"param_groups": _param_groups_as_saved(self.optimizer)}
+        saved = {"param_groups": self.inner_state.saved_param_groups()}
         step = self.inner_state.step()
         # Saved with the type upstream saves: torch's float counter, FusedAdam's int.
         as_saved = float if _counts_steps_per_param(self.optimizer) else int
@@ -721,12 +690,12 @@ class DistributedOptimizer(
         # anything changes.
         write_param_state = self._plan_param_state_load(state_dict)
         saved_groups = state_dict["optimizer"]["param_groups"]
-        inner_groups = _param_groups_as_saved(self.optimizer)
+        inner_groups = self.inner_state.saved_param_groups()
         groups = self._pair_saved_param_groups(saved_groups, inner_groups)
         steps = {group["step"] for group in groups if group.get("step") is not None}
         for step in steps:
             checks.step_value(step, "the checkpoint's param groups")
-        if len(steps) > 1 and self._counts_steps_per_param():
+        if len(steps) > 1 and self.inner_state.counts_steps_per_param():
             raise ValueError(f"the checkpoint's param groups disagree on the step: {sorted(steps)}")
 
         with self._load_guard.writing("load_state_dict"):
@@ -747,17 +716,10 @@ class DistributedOptimizer(
                 finally:
                     self._planned_param_state = None
 
-    def _counts_steps_per_param(self) -> bool:
-        """Whether the inner optimizer (or the sub-optimizers of one that builds its own)
-        keeps a step count per parameter, read without changing anything."""
-        if self.optimizer.state:
-            return any("step" in entry for entry in self.optimizer.state.values())
-        members = getattr(self.optimizer, "sub_optimizers", None) or [self.optimizer]
-        return any(_counts_steps_per_param(member) for member in members)
-
     def _load_param_groups_and_state(self, groups, inner_groups, steps) -> None:
         """Write the loaded groups and create (or keep) the inner optimizer's state."""
-        if not self.optimizer.state and _creates_own_state(self.optimizer):
+        own_state = self.inner_state.builds_own_state
+        if not self.optimizer.state and own_state:
             self.inner_state.materialise()
         scaffolded = not self.optimizer.state
         # State already allocated (the second pass of a dist-checkpoint load, or a load over a
@@ -765,7 +727,7 @@ class DistributedOptimizer(
         # round trip through the optimizer's state_dict would copy every state tensor (TE
         # FusedAdam's precision-aware state comes back as fp32). The HybridDeviceOptimizer
         # hands the loaded groups to its sub-optimizers itself, so it still loads.
-        keep_state = not scaffolded and not _creates_own_state(self.optimizer)
+        keep_state = not scaffolded and not own_state
         if scaffolded:
             state = self._state_scaffold(inner_groups, min(steps) if steps else None)
         else:
@@ -779,7 +741,7 @@ class DistributedOptimizer(
                 {"state": state, "param_groups": groups},
                 release_incoming=scaffolded,
                 precision_aware=self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-                is_hybrid=_creates_own_state(self.optimizer),
+                is_hybrid=own_state,
                 is_fsdp=False,
                 is_stub=False,
             )
@@ -1379,8 +1341,7 @@ class DistributedOptimizer(
             NotImplementedError: under Megatron-FSDP, unless the inner optimizer refreshes
                 itself.
         """
-        refresh_inner_copies = getattr(self.optimizer, "update_fp32_param_by_new_param", None)
-        if self.ddp_config.use_megatron_fsdp and refresh_inner_copies is None:
+        if self.ddp_config.use_megatron_fsdp and not self.inner_state.keeps_copies:
             raise NotImplementedError(
                 "Megatron-FSDP does not implement a model-to-main parameter update."
             )
@@ -1400,8 +1361,7 @@ class DistributedOptimizer(
                 elif self._is_distopt_quantized_param(source):
                     source = dequantize_fp8_tensor(source)
                 main.data.copy_(source.view(-1)[piece.start : piece.end])
-        if refresh_inner_copies is not None:
-            refresh_inner_copies()
+        self.inner_state.refresh_copies()
 
     # ------------------------------------------------------------------ step and param sync
 

@@ -8,10 +8,11 @@ per-parameter ``step`` tensor; TE/Apex FusedAdam in ``state[p]`` with the step i
 ``param_group["step"]``, scaled and in lower precision when precision-aware; the
 HybridDeviceOptimizer behind its ``master_param`` entries. :class:`InnerOptimizerState`
 hides those differences behind a few operations (materialise, read, write, step counter,
-retarget, offload and restore), chosen by what the optimizer offers rather than by its class.
+retarget, offload and restore), with one implementation per kind of optimizer, chosen once
+by what the optimizer offers rather than by its class (:func:`kind_of`).
 """
 
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -67,8 +68,19 @@ def keeps_param_remainders(optimizer: torch.optim.Optimizer, param: torch.Tensor
     )
 
 
+def _keeps_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's Adam family keeps a step tensor per parameter; TE/Apex FusedAdam one per group."""
+    return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
 class InnerOptimizerState:
     """Reads and writes an inner optimizer's per-parameter state for checkpointing.
+
+    The kind of optimizer is recognised once, here, by what it offers: constructing this class
+    gives the implementation for it (:class:`ScaledFusedAdamState` for precision-aware TE
+    FusedAdam, :class:`HybridDeviceOptimizerState` for an optimizer that builds and places its
+    own state, this class for torch's Adam family and any optimizer keeping plain per-parameter
+    state). Callers never ask which kind it is.
 
     Args:
         optimizer: the wrapped optimizer (torch, TE/Apex FusedAdam, HybridDeviceOptimizer...).
@@ -79,6 +91,19 @@ class InnerOptimizerState:
             ``set_scaled_state`` (TE FusedAdam with Megatron's precision-aware optimizer).
     """
 
+    builds_own_state = False
+    """Whether the optimizer creates and places its state itself (nothing may be allocated
+    for it from outside, and it loads its own state dict)."""
+
+    scaled = False
+    """Whether state is read and written unscaled through the optimizer's own accessors."""
+
+    def __new__(cls, optimizer=None, state_keys=("exp_avg", "exp_avg_sq"), precision_aware=False):
+        # pylint: disable=unused-argument
+        if cls is InnerOptimizerState:
+            cls = kind_of(optimizer, precision_aware)
+        return super().__new__(cls)
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -87,7 +112,7 @@ class InnerOptimizerState:
     ):
         self.optimizer = optimizer
         self.state_keys = tuple(state_keys)
-        self.scaled = precision_aware and hasattr(optimizer, "set_scaled_state")
+        self.precision_aware = precision_aware
 
     def params(self) -> Iterator[torch.Tensor]:
         """The optimizer's parameters, group by group."""
@@ -95,22 +120,45 @@ class InnerOptimizerState:
             yield from group["params"]
 
     def retarget(self, param_groups: Sequence[Dict]) -> None:
-        """Point the optimizer at new parameter groups (the shards a rank owns) in place.
-
-        An optimizer that can regroup itself (the HybridDeviceOptimizer's
-        ``replace_param_groups``) does so without building anything for the old groups; any
-        other gets the groups assigned and reloads its own state dict, which re-keys state
+        """Point the optimizer at new parameter groups (the shards a rank owns) in place: the
+        groups are assigned and the optimizer reloads its own state dict, which re-keys state
         by the new parameters.
 
         Args:
             param_groups: dicts with ``"params"`` and the group's hyperparameters.
         """
-        regroup = getattr(self.optimizer, "replace_param_groups", None)
-        if regroup is not None:
-            regroup(param_groups)
-            return
         self.optimizer.param_groups = list(param_groups)
         self.optimizer.load_state_dict(self.optimizer.state_dict())
+
+    def saved_param_groups(self) -> List[Dict]:
+        """The param groups as the optimizer's ``state_dict`` lists them (parameters as running
+        indices), read without its state (TE FusedAdam's ``state_dict`` would copy every
+        precision-aware state tensor to fp32)."""
+        groups, start = [], 0
+        for group in self.optimizer.param_groups:
+            saved = {key: value for key, value in group.items() if key != "params"}
+            saved["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(saved)
+        return groups
+
+    def counts_steps_per_param(self) -> bool:
+        """Whether the Adam step is kept in each parameter's state (torch's Adam family) rather
+        than in the param groups (TE/Apex FusedAdam), read without changing anything."""
+        if self.optimizer.state:
+            return any("step" in entry for entry in self.optimizer.state.values())
+        return _keeps_steps_per_param(self.optimizer)
+
+    @property
+    def keeps_copies(self) -> bool:
+        """Whether the optimizer keeps copies of its parameters that must be refreshed when
+        the parameters change outside (it offers ``update_fp32_param_by_new_param``)."""
+        return callable(getattr(self.optimizer, "update_fp32_param_by_new_param", None))
+
+    def refresh_copies(self) -> None:
+        """Refresh the copies the optimizer keeps of its parameters, if it keeps any."""
+        if self.keeps_copies:
+            self.optimizer.update_fp32_param_by_new_param()
 
     def is_materialised(self) -> bool:
         """Whether every parameter already has its state tensors."""
@@ -122,13 +170,8 @@ class InnerOptimizerState:
 
     def materialise(self) -> None:
         """Create missing state in place, leaving values, counters and hyperparameters as
-        they are (the HybridDeviceOptimizer does this through its own ``dummy_step``)."""
-        if self.is_materialised():
-            return
-        dummy_step = getattr(self.optimizer, "dummy_step", None)
-        if dummy_step is not None:
-            dummy_step()
-        else:
+        they are (a null step of the parameters without state)."""
+        if not self.is_materialised():
             materialise_by_null_step(self.optimizer)
 
     def read(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -137,11 +180,6 @@ class InnerOptimizerState:
         Unscaled state is a view of the live tensor wherever the optimizer keeps it in
         fp32; precision-aware state comes back unscaled in fp32.
         """
-        if self.scaled:
-            unscaled = self.optimizer.get_unscaled_state
-            tensors = {key: unscaled(param, key) for key in self.state_keys}
-            tensors["param"] = unscaled(param, MASTER)
-            return tensors
         state = self.optimizer.state[param]
         missing = [key for key in self.state_keys if key not in state]
         if missing:
@@ -154,10 +192,8 @@ class InnerOptimizerState:
         return tensors
 
     def _holder(self, param: torch.Tensor) -> torch.Tensor:
-        """The tensor the optimizer steps for ``param``: the parameter itself, or the copy an
-        offloading optimizer keeps (its ``param_to_inner_param`` map says which)."""
-        inner = getattr(self.optimizer, "param_to_inner_param", None)
-        return param if inner is None else inner.get(param, param)
+        """The tensor the optimizer steps for ``param``: the parameter itself."""
+        return param
 
     @torch.no_grad()
     def write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
@@ -170,12 +206,6 @@ class InnerOptimizerState:
         missing = [key for key in ("param",) + self.state_keys if key not in tensors]
         if missing:
             raise KeyError(f"checkpointed parameter state lacks {missing}")
-        if self.scaled:
-            setter = self.optimizer.set_scaled_state
-            setter(param, MASTER, self._master_as_kept(param, tensors["param"]))
-            for key in self.state_keys:
-                setter(param, key, tensors[key].to(torch.float32))
-            return
         live_tensors = self.read(param)
         for key, live in live_tensors.items():
             live.copy_(tensors[key].reshape(live.shape))
@@ -183,29 +213,6 @@ class InnerOptimizerState:
             # Readers of the public parameter (norms, the next copy to the model) see the
             # loaded value too, not only the copy the optimizer steps.
             param.detach().copy_(live_tensors["param"].reshape(param.shape))
-
-    def _master_as_kept(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-        """``master`` in the form ``set_scaled_state`` takes: fp32, or the int16 remainders
-        that an optimizer with ``store_param_remainders`` keeps for a bf16 parameter (what
-        ``get_unscaled_state`` gave when the checkpoint was written).
-
-        The legacy and dp_zero formats gather every state into fp32 buffers, upstream's as well
-        as the fork's, so remainders can arrive as fp32 holding int16 values; they convert back
-        exactly. Any other value is a real fp32 master, which such an optimizer cannot take.
-        """
-        if not keeps_param_remainders(self.optimizer, param):
-            return master.to(torch.float32)
-        if master.dtype == torch.int16:
-            return master
-        remainders = master.to(torch.int16)
-        if not (master.is_floating_point() and torch.equal(remainders.to(master.dtype), master)):
-            raise ValueError(
-                f"the checkpoint holds {master.dtype} master weights for a bf16 parameter of "
-                f"shape {tuple(param.shape)} that are not int16 remainders, but the optimizer "
-                "keeps int16 remainders (store_param_remainders): save and load with the same "
-                "setting"
-            )
-        return remainders
 
     def step(self) -> Optional[int]:
         """The Adam step count, wherever the optimizer keeps it (None before any step)."""
@@ -245,21 +252,117 @@ class InnerOptimizerState:
                     entry[key] = value.cpu()
 
     def restore(self) -> None:
-        """Bring offloaded state back: where the optimizer keeps each tensor, when it can say
-        (the HybridDeviceOptimizer's ``_move_new_state_to_right_device`` leaves host-resident
-        state on the host), else every host tensor onto the current CUDA device."""
-        move_home = getattr(self.optimizer, "_move_new_state_to_right_device", None)
-        if move_home is not None:
-            move_home()
-            return
+        """Bring offloaded state back: every host tensor onto the current CUDA device."""
         for entry in self.optimizer.state.values():
             for key, value in list(entry.items()):
                 if isinstance(value, torch.Tensor) and not value.is_cuda:
                     entry[key] = value.cuda()
 
     def finish_load(self) -> None:
-        """Let the optimizer adopt state written from outside (the HDO re-syncs its
-        sub-optimizers; plain optimizers need nothing)."""
-        sync = getattr(self.optimizer, "_sync_hdo_state_to_sub_optimizers", None)
-        if sync is not None:
-            sync()
+        """Let the optimizer adopt state written from outside (plain optimizers need
+        nothing: the writes went into their state)."""
+
+
+class ScaledFusedAdamState(InnerOptimizerState):
+    """TE FusedAdam with Megatron's precision-aware optimizer: moments in lower precision with
+    scales and fp32 master weights (or int16 remainders), read and written unscaled through
+    ``get_unscaled_state`` and ``set_scaled_state``."""
+
+    scaled = True
+
+    def read(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The fp32 master value (``"param"``) and each state tensor of ``param``, unscaled
+        into new fp32 tensors."""
+        unscaled = self.optimizer.get_unscaled_state
+        tensors = {key: unscaled(param, key) for key in self.state_keys}
+        tensors["param"] = unscaled(param, MASTER)
+        return tensors
+
+    @torch.no_grad()
+    def write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
+        """Set ``param``'s master value and state from ``tensors``, scaled into the tensors the
+        optimizer keeps."""
+        missing = [key for key in ("param",) + self.state_keys if key not in tensors]
+        if missing:
+            raise KeyError(f"checkpointed parameter state lacks {missing}")
+        setter = self.optimizer.set_scaled_state
+        setter(param, MASTER, self._master_as_kept(param, tensors["param"]))
+        for key in self.state_keys:
+            setter(param, key, tensors[key].to(torch.float32))
+
+    def _master_as_kept(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """``master`` in the form ``set_scaled_state`` takes: fp32, or the int16 remainders
+        that an optimizer with ``store_param_remainders`` keeps for a bf16 parameter (what
+        ``get_unscaled_state`` gave when the checkpoint was written).
+
+        The legacy and dp_zero formats gather every state into fp32 buffers, upstream's as well
+        as the fork's, so remainders can arrive as fp32 holding int16 values; they convert back
+        exactly. Any other value is a real fp32 master, which such an optimizer cannot take.
+        """
+        if not keeps_param_remainders(self.optimizer, param):
+            return master.to(torch.float32)
+        if master.dtype == torch.int16:
+            return master
+        remainders = master.to(torch.int16)
+        if not (master.is_floating_point() and torch.equal(remainders.to(master.dtype), master)):
+            raise ValueError(
+                f"the checkpoint holds {master.dtype} master weights for a bf16 parameter of "
+                f"shape {tuple(param.shape)} that are not int16 remainders, but the optimizer "
+                "keeps int16 remainders (store_param_remainders): save and load with the same "
+                "setting"
+            )
+        return remainders
+
+
+class HybridDeviceOptimizerState(InnerOptimizerState):
+    """An optimizer that builds and places its own state, on the host or where each parameter
+    lives (the HybridDeviceOptimizer): it regroups itself, materialises through its own null
+    step, loads its own state dict, keeps copies of its parameters, and says where each state
+    tensor belongs."""
+
+    builds_own_state = True
+
+    def retarget(self, param_groups: Sequence[Dict]) -> None:
+        """Regroup without building anything for the groups being replaced (where it can:
+        upstream's class rebuilds on its reload)."""
+        regroup = getattr(self.optimizer, "replace_param_groups", None)
+        if regroup is None:
+            super().retarget(param_groups)
+        else:
+            regroup(param_groups)
+
+    def saved_param_groups(self) -> List[Dict]:
+        """The groups of its own ``state_dict`` (which describes its sub-optimizers)."""
+        return self.optimizer.state_dict()["param_groups"]
+
+    def counts_steps_per_param(self) -> bool:
+        if self.optimizer.state:
+            return super().counts_steps_per_param()
+        return any(_keeps_steps_per_param(o) for o in self.optimizer.sub_optimizers)
+
+    def materialise(self) -> None:
+        """Create missing state where the optimizer places it (its ``dummy_step``)."""
+        if not self.is_materialised():
+            self.optimizer.dummy_step()
+
+    def _holder(self, param: torch.Tensor) -> torch.Tensor:
+        """The copy the optimizer steps for ``param`` (``param_to_inner_param``)."""
+        return self.optimizer.param_to_inner_param.get(param, param)
+
+    def restore(self) -> None:
+        """Bring each state tensor back where the optimizer keeps it: host-resident state stays
+        on the host."""
+        self.optimizer._move_new_state_to_right_device()  # pylint: disable=protected-access
+
+    def finish_load(self) -> None:
+        """Let it adopt state written from outside and refresh its copies."""
+        self.optimizer._sync_hdo_state_to_sub_optimizers()  # pylint: disable=protected-access
+
+
+def kind_of(optimizer: Any, precision_aware: bool = False) -> type:
+    """The :class:`InnerOptimizerState` implementation for ``optimizer``, by what it offers."""
+    if callable(getattr(optimizer, "dummy_step", None)):
+        return HybridDeviceOptimizerState
+    if precision_aware and hasattr(optimizer, "set_scaled_state"):
+        return ScaledFusedAdamState
+    return InnerOptimizerState
