@@ -243,6 +243,8 @@ class Host:
         ]
         return {"optimizer": {"param_groups": groups}, "grad_scaler": {"scale": 4.0}}
 
+    _common_state_dict = state_dict  # what the core describes itself with while loading
+
     def load_state_dict(self, state_dict):  # pylint: disable=missing-function-docstring
         self.loaded_common.append(state_dict)
 
@@ -692,6 +694,22 @@ def test_loading_materialises_state_without_moving_anything(sharding_type):
     assert all(torch.equal(a, b) for a, b in zip(masters, host.inner_state.params()))
     assert request["param_state_sharding_type"] == sharding_type
     assert host.loaded_common == []
+
+
+def test_a_load_request_marks_the_state_and_works_after_a_failed_load():
+    """The reader fills the live tensors before load_state_dict checks anything, so asking for
+    a load request marks the optimizer until a load completes; a load request is still
+    answered while an earlier failed load's mark is set (that is how a run recovers)."""
+    host = build(SINGLE_BUCKET, 2, 1, materialise=False)
+    host._load_guard.failure = "load_state_dict failed while writing the state (injected)"
+    host.sharded_state_dict(
+        model_sharded_state_dict(host, all_factories=True),
+        is_loading=True,
+        metadata={"distrib_optim_sharding_type": "dp_reshardable"},
+    )
+    assert "has read into the optimizer state" in host._load_guard.failure
+    with pytest.raises(RuntimeError, match="load_state_dict has not completed"):
+        host.sharded_state_dict(model_sharded_state_dict(host), is_loading=False)
 
 
 # --------------------------------------------------------------------------------------------

@@ -295,3 +295,18 @@ def test_the_implementation_is_chosen_once_by_what_the_optimizer_offers():
     assert [g["params"] for g in hybrid.saved_param_groups()] == [[0, 1]]
     assert plain.counts_steps_per_param() and hybrid.counts_steps_per_param()
     assert not InnerOptimizerState(CountsStepInGroups(params)).counts_steps_per_param()
+
+
+def test_a_master_the_optimizer_cannot_take_is_refused_before_writing():
+    """With ``store_param_remainders`` a bf16 parameter's master is kept as int16 low bits; a
+    real fp32 master is refused by the check the plan runs, not half-way through the writes."""
+    param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    optimizer = ScaledStateDouble([param])
+    optimizer.store_param_remainders = True
+    access = InnerOptimizerState(optimizer, precision_aware=True)
+    moments = {key: torch.zeros(4) for key in ("exp_avg", "exp_avg_sq")}
+    with pytest.raises(ValueError, match="not int16 remainders"):
+        access.check_write(param, {"param": torch.full((4,), 0.25), **moments})
+    access.check_write(param, {"param": torch.tensor([1.0, -3.0, 0.0, 7.0]), **moments})
+    with pytest.raises(KeyError, match="exp_avg_sq"):
+        access.check_write(param, {"param": torch.zeros(4), "exp_avg": torch.zeros(4)})

@@ -384,16 +384,21 @@ def test_a_bad_distributed_checkpoint_is_refused_and_changes_nothing(inner, bad)
 
 
 @pytest.mark.usefixtures("cpu_as_cuda")
-@pytest.mark.parametrize("phase", ["commit", "finish"])
+@pytest.mark.parametrize("phase", ["commit", "finish", "hdo_commit"])
 @pytest.mark.parametrize("inner", sorted(INNERS))
 def test_a_fault_while_a_distributed_load_writes(inner, phase, monkeypatch):
     """The plan phase is the bad-input table above; here the writes or the finish fail."""
     model, optimizer = build_distopt(inner)
     core.train_step(optimizer, model, 0)
     source_model, source, state_dict = saved_distopt(inner)
-    method = {"commit": "write", "finish": "finish_load"}[phase]
-    InnerState = type(optimizer.inner_state)
-    monkeypatch.setattr(InnerState, method, _fail_on_call(2)(getattr(InnerState, method)))
+    if phase == "hdo_commit":
+        if inner != "hdo":
+            pytest.skip("a fault inside the HDO's own load")
+        target = (HybridDeviceOptimizer, "_settle")
+    else:
+        method = {"commit": "write", "finish": "finish_load"}[phase]
+        target = (type(optimizer.inner_state), method)
+    monkeypatch.setattr(*target, _fail_on_call(2)(getattr(*target)))
     with pytest.raises(RuntimeError, match="injected fault"):
         optimizer.load_state_dict(state_dict)
     monkeypatch.undo()
@@ -402,6 +407,8 @@ def test_a_fault_while_a_distributed_load_writes(inner, phase, monkeypatch):
     with pytest.raises(RuntimeError, match="load a checkpoint again"):
         optimizer.state_dict()
     optimizer.load_state_dict(state_dict)
+    assert optimizer._load_guard.failure is None  # a complete load clears the mark
+    assert optimizer.state_dict()["optimizer"]["param_groups"]
     with torch.no_grad():
         for param, source_param in zip(model.parameters(), source_model.parameters()):
             param.copy_(source_param)
@@ -420,3 +427,70 @@ def test_a_hundred_distributed_load_cycles_keep_memory_and_tensor_count_flat(inn
         optimizer.load_state_dict(state_dict)
         core.train_step(optimizer, model, 1 + cycle)
     assert (_live_tensors(), _host_bytes()) == start
+
+
+def _mixed_hdo(groups, lr):
+    """Megatron's factory: TE/Apex FusedAdam in place (its step in the param groups, here
+    GroupStepAdamW) and torch AdamW on the host (a step per parameter)."""
+    return HybridDeviceOptimizer(
+        groups,
+        offload_fraction=0.5,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=core.GroupStepAdamW,
+        param_update_in_fp32=True,
+        lr=lr,
+    )
+
+
+def _mixed_hdo_over(seed):
+    params, _ = make_hdo(torch.bfloat16, seed=seed)
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
+    return params, _mixed_hdo(groups, 1e-2)
+
+
+def test_an_hdo_with_two_kinds_of_sub_optimizer_loads_its_own_checkpoint():
+    source_params, source = _mixed_hdo_over(seed=3)
+    train_hdo(source_params, source, 3, seed=4)
+    assert any("step" in e for e in source.state.values())
+    assert not all("step" in e for e in source.state.values())
+    params, target = _mixed_hdo_over(seed=9)
+    with torch.no_grad():
+        for param, source_param in zip(params, source_params):
+            param.copy_(source_param)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    target.load_state_dict(torch.load(buffer, weights_only=True))
+    train_hdo(params, target, 2, seed=5)
+    train_hdo(source_params, source, 2, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(params, source_params))
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+def test_a_distributed_optimizer_over_a_mixed_hdo_resumes():
+    INNERS["mixed_hdo"] = _mixed_hdo
+    try:
+        model, optimizer = build_distopt("mixed_hdo")
+        source_model, source, state_dict = saved_distopt("mixed_hdo")
+        optimizer.load_state_dict(state_dict)
+        with torch.no_grad():
+            for param, source_param in zip(model.parameters(), source_model.parameters()):
+                param.copy_(source_param)
+        _train_alike([(model, optimizer), (source_model, source)], range(3, 5))
+    finally:
+        del INNERS["mixed_hdo"]
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+def test_a_state_created_without_values_is_marked_until_the_parameter_state_loads():
+    """The legacy flow loads the common state dict, then the parameter state; between the two
+    the state exists but holds no values, and must not be stepped or saved."""
+    model, optimizer = build_distopt("torch_adamw")
+    _, _, state_dict = saved_distopt("torch_adamw")
+    common = {k: v for k, v in state_dict.items() if not k.startswith("param_state")}
+    optimizer.load_state_dict(common)
+    with pytest.raises(RuntimeError, match="parameter state .* is not loaded yet"):
+        optimizer.state_dict()
+    optimizer.load_parameter_state_from_dp_reshardable(state_dict["param_state"])
+    assert optimizer._load_guard.failure is None
+    core.train_step(optimizer, model, 0)

@@ -590,6 +590,11 @@ class DistributedOptimizer(
         if self.is_stub_optimizer:
             raise RuntimeError("a stub DistributedOptimizer (no inner optimizer) has no state dict")
         self._load_guard.check("save its state")
+        return self._common_state_dict()
+
+    def _common_state_dict(self):
+        """What :meth:`state_dict` returns, also while a load is under way (a dist-checkpoint
+        load describes the optimizer with it before reading)."""
         saved = {"param_groups": self.inner_state.saved_param_groups()}
         step = self.inner_state.step()
         # Saved with the type upstream saves: torch's float counter, FusedAdam's int.
@@ -698,6 +703,7 @@ class DistributedOptimizer(
         if len(steps) > 1 and self.inner_state.counts_steps_per_param():
             raise ValueError(f"the checkpoint's param groups disagree on the step: {sorted(steps)}")
 
+        scaffolds = not self.optimizer.state and not self.inner_state.builds_own_state
         with self._load_guard.writing("load_state_dict"):
             self._load_param_groups_and_state(groups, inner_groups, steps)
             self._load_grad_scaler_state(state_dict)
@@ -715,6 +721,12 @@ class DistributedOptimizer(
                     getattr(self, _SHARDING_TYPE_LOADERS[sharding_type])(state_dict["param_state"])
                 finally:
                     self._planned_param_state = None
+        if scaffolds and write_param_state is None:
+            # The state exists but holds no values yet: stepping on it would train on garbage.
+            self._load_guard.pending(
+                "load_state_dict created the optimizer state without values, and the parameter "
+                "state (load_parameter_state, or a state dict with param_state) is not loaded yet"
+            )
 
     def _load_param_groups_and_state(self, groups, inner_groups, steps) -> None:
         """Write the loaded groups and create (or keep) the inner optimizer's state."""
@@ -732,7 +744,7 @@ class DistributedOptimizer(
             state = self._state_scaffold(inner_groups, min(steps) if steps else None)
         else:
             # Reusing the existing tensors avoids reallocating (and fragmenting) memory.
-            state = None if keep_state else self.optimizer.state_dict()["state"]
+            state = None if keep_state else self.inner_state.state_for_reload()
         if keep_state:
             fused_adam_state_load.load_param_groups_keeping_state(self.optimizer, groups)
         else:
@@ -830,6 +842,11 @@ class DistributedOptimizer(
                 the loading optimizer's own pre-load tensor, not a saved value.
         """
         self.inner_state.write(self._inner_param(model_param), tensors)
+
+    def _check_main_param_and_optimizer_states(self, model_param, tensors) -> None:
+        """Raise, writing nothing, if the inner optimizer would refuse ``tensors`` for
+        ``model_param``'s piece (missing keys, fp32 masters where it keeps remainders)."""
+        self.inner_state.check_write(self._inner_param(model_param), tensors)
 
     # ------------------------------------------------------------------ quantized parameters
 

@@ -136,6 +136,8 @@ class PlannedParamStateLoadMixin:
             writes: ``(model param, {"param": ..., <state key>: ...})`` per owned piece.
             step: the checkpoint's step count, where the format carries one.
         """
+        for model_param, tensors in writes:
+            self._check_main_param_and_optimizer_states(model_param, tensors)
         checks.scan_nonfinite(
             (
                 (f"a piece of the parameter of shape {tuple(model_param.shape)}", key, value)
@@ -155,6 +157,10 @@ class PlannedParamStateLoadMixin:
             self.inner_state.finish_load()
 
         return write
+
+    def _check_main_param_and_optimizer_states(self, model_param, tensors) -> None:
+        """Raise, writing nothing, if ``tensors`` cannot be written for ``model_param`` (the
+        host class checks what its inner optimizer takes; nothing is checked here)."""
 
     def _load_planned(self, what: str, state_dict, plan: Callable) -> None:
         """Plan a parameter-state load, then write it; a failure in the writes leaves the

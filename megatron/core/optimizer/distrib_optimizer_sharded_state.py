@@ -334,8 +334,15 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         if is_loading:
             # The load writes into the optimizer's own tensors, which must exist by then.
             self._init_optimizer_states_with_dummy_values()
-
-        common_state = self.state_dict()
+            # The reader fills those tensors before load_state_dict can check anything, so
+            # from here the state is the checkpoint's in part until that load completes.
+            self._load_guard.pending(
+                "a distributed-checkpoint load has read into the optimizer state and "
+                "load_state_dict has not completed"
+            )
+            common_state = self._common_state_dict()
+        else:
+            common_state = self.state_dict()
         if sharding_type not in self.checkpoint_fully_reshardable_formats:
             # This state is tied to the data-parallel group's buffer layout.
             replica_id = (

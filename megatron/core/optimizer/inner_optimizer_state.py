@@ -142,6 +142,10 @@ class InnerOptimizerState:
             groups.append(saved)
         return groups
 
+    def state_for_reload(self) -> Dict:
+        """The optimizer's state as its ``state_dict`` gives it, to be loaded back into it."""
+        return self.optimizer.state_dict()["state"]
+
     def counts_steps_per_param(self) -> bool:
         """Whether the Adam step is kept in each parameter's state (torch's Adam family) rather
         than in the param groups (TE/Apex FusedAdam), read without changing anything."""
@@ -194,6 +198,12 @@ class InnerOptimizerState:
     def _holder(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the optimizer steps for ``param``: the parameter itself."""
         return param
+
+    def check_write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
+        """Raise, writing nothing, if :meth:`write` would refuse ``tensors`` for ``param``."""
+        missing = [key for key in ("param",) + self.state_keys if key not in tensors]
+        if missing:
+            raise KeyError(f"checkpointed parameter state lacks {missing}")
 
     @torch.no_grad()
     def write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
@@ -278,6 +288,10 @@ class ScaledFusedAdamState(InnerOptimizerState):
         tensors["param"] = unscaled(param, MASTER)
         return tensors
 
+    def check_write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
+        super().check_write(param, tensors)
+        self._master_as_kept(param, tensors["param"])
+
     @torch.no_grad()
     def write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
         """Set ``param``'s master value and state from ``tensors``, scaled into the tensors the
@@ -331,9 +345,18 @@ class HybridDeviceOptimizerState(InnerOptimizerState):
         else:
             regroup(param_groups)
 
-    def saved_param_groups(self) -> List[Dict]:
-        """The groups of its own ``state_dict`` (which describes its sub-optimizers)."""
-        return self.optimizer.state_dict()["param_groups"]
+    def state_for_reload(self) -> Dict:
+        """Its state, read even while a failed load's mark is set: the load this read is part
+        of writes every value again, and a failure there puts the mark back."""
+        guard = getattr(self.optimizer, "_load_guard", None)
+        failure = getattr(guard, "failure", None)
+        if guard is not None:
+            guard.failure = None
+        try:
+            return super().state_for_reload()
+        finally:
+            if guard is not None and failure is not None:
+                guard.failure = failure
 
     def counts_steps_per_param(self) -> bool:
         if self.optimizer.state:

@@ -80,12 +80,15 @@ def count_nonfinite(tensor: torch.Tensor) -> int:
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return 0
     flat = tensor.detach().reshape(-1)
-    low, high = torch.aminmax(flat)
-    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
-        return 0
+    try:
+        low, high = torch.aminmax(flat)
+        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+            return 0
+    except (NotImplementedError, RuntimeError):  # dtypes without aminmax (float8)
+        pass
     bad = 0
     for start in range(0, flat.numel(), _NONFINITE_CHUNK):
-        chunk = flat[start : start + _NONFINITE_CHUNK]
+        chunk = flat[start : start + _NONFINITE_CHUNK].float()
         bad += chunk.numel() - int(torch.isfinite(chunk).sum())
     return bad
 
@@ -152,13 +155,15 @@ class LoadGuard:
     def __init__(self, owner: str):
         self.owner = owner
         self.failure: Optional[str] = None
+        self._depth = 0
 
     @contextlib.contextmanager
     def writing(self, what: str):
-        """Run the writes of a load: a failure inside leaves the mark, success clears it (or
-        puts back the mark an enclosing write had set)."""
-        before = self.failure
-        self.failure = f"{what} did not complete"
+        """Run the writes of a load: a failure inside leaves the mark; the success of the
+        outermost write clears it, whatever an earlier load left."""
+        if self._depth == 0:
+            self.failure = f"{what} did not complete"
+        self._depth += 1
         try:
             yield
         except BaseException as error:
@@ -166,7 +171,15 @@ class LoadGuard:
                 f"{what} failed while writing the state ({type(error).__name__}: {error})"
             )
             raise
-        self.failure = before
+        finally:
+            self._depth -= 1
+        if self._depth == 0:
+            self.failure = None
+
+    def pending(self, what: str) -> None:
+        """Mark the state as not loaded yet (``what`` says what is missing) until the next
+        complete load."""
+        self.failure = what
 
     def check(self, action: str) -> None:
         """Refuse ``action`` (a step, a save) while a failed load's mark is set.

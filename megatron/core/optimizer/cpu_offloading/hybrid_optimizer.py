@@ -900,8 +900,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if saved.get("step") is not None:
                 checks.step_value(saved["step"], f"{name}: param group {index}")
             id_to_param.update(zip(saved["params"], group["params"]))
-        live_keys = {k for e in self._entries.values() for k in e if k not in (MASTER, "step")}
-        saved_keys = {k for e in state_dict["state"].values() for k in e if k != MASTER}
+        # The step is no per-element state, and sub-optimizers of two kinds (TE FusedAdam in
+        # place, torch AdamW on the host) keep it in different places.
+        per_element = {MASTER, "step"}
+        live_keys = {k for e in self._entries.values() for k in e if k not in per_element}
+        saved_keys = {k for e in state_dict["state"].values() for k in e if k not in per_element}
         planned, loaded_tensors = {}, []
         for param_id, entry in state_dict["state"].items():
             param = id_to_param.get(param_id)
