@@ -696,19 +696,19 @@ def test_loading_materialises_state_without_moving_anything(sharding_type):
     assert host.loaded_common == []
 
 
-def test_a_load_request_marks_the_state_and_works_after_a_failed_load():
-    """The reader fills the live tensors before load_state_dict checks anything, so asking for
-    a load request marks the optimizer until a load completes; a load request is still
-    answered while an earlier failed load's mark is set (that is how a run recovers)."""
+def test_a_load_request_is_answered_after_a_failed_load():
+    """A run recovers by loading again: the load request is built while an earlier failed
+    load's mark is set, and notes that its reader will write into the live state."""
     host = build(SINGLE_BUCKET, 2, 1, materialise=False)
     host._load_guard.failure = "load_state_dict failed while writing the state (injected)"
+    host._load_request_outstanding = False
     host.sharded_state_dict(
         model_sharded_state_dict(host, all_factories=True),
         is_loading=True,
         metadata={"distrib_optim_sharding_type": "dp_reshardable"},
     )
-    assert "has read into the optimizer state" in host._load_guard.failure
-    with pytest.raises(RuntimeError, match="load_state_dict has not completed"):
+    assert host._load_request_outstanding
+    with pytest.raises(RuntimeError, match="injected"):
         host.sharded_state_dict(model_sharded_state_dict(host), is_loading=False)
 
 

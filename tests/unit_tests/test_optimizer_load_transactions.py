@@ -494,3 +494,22 @@ def test_a_state_created_without_values_is_marked_until_the_parameter_state_load
     optimizer.load_parameter_state_from_dp_reshardable(state_dict["param_state"])
     assert optimizer._load_guard.failure is None
     core.train_step(optimizer, model, 0)
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+def test_a_refused_checkpoint_after_a_dist_checkpoint_read_marks_the_state():
+    """The dist-checkpoint reader writes into the live state before load_state_dict checks
+    anything; when that load then refuses the checkpoint, the state is partly the checkpoint's
+    and must not be stepped or saved. Without a read, a refusal changes nothing."""
+    _, optimizer = build_distopt("torch_adamw")
+    _, _, state_dict = saved_distopt("torch_adamw")
+    for group in state_dict["optimizer"]["param_groups"]:
+        group["step"] = -1.0
+    with pytest.raises(ValueError, match="not a whole count"):
+        optimizer.load_state_dict(state_dict)
+    assert optimizer._load_guard.failure is None
+    optimizer._load_request_outstanding = True  # as sharded_state_dict(is_loading=True) leaves it
+    with pytest.raises(ValueError, match="not a whole count"):
+        optimizer.load_state_dict(state_dict)
+    with pytest.raises(RuntimeError, match="then load_state_dict refused the checkpoint"):
+        optimizer.state_dict()

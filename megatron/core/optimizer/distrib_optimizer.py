@@ -477,6 +477,8 @@ class DistributedOptimizer(
         # Set while a load is writing and left set when it fails there (state_load_checks).
         self._load_guard = checks.LoadGuard(type(self).__name__)
         self._planned_param_state = None
+        # Set by a dist-checkpoint load request, whose reader writes into the live state.
+        self._load_request_outstanding = False
         # A rank whose sub-models are all frozen still takes part, with no inner optimizer.
         self.is_stub_optimizer = optimizer is None
         if self.is_stub_optimizer:
@@ -693,15 +695,27 @@ class DistributedOptimizer(
 
         # Plan: the parameter state, the groups and the step counters are checked before
         # anything changes.
-        write_param_state = self._plan_param_state_load(state_dict)
-        saved_groups = state_dict["optimizer"]["param_groups"]
-        inner_groups = self.inner_state.saved_param_groups()
-        groups = self._pair_saved_param_groups(saved_groups, inner_groups)
-        steps = {group["step"] for group in groups if group.get("step") is not None}
-        for step in steps:
-            checks.step_value(step, "the checkpoint's param groups")
-        if len(steps) > 1 and self.inner_state.counts_steps_per_param():
-            raise ValueError(f"the checkpoint's param groups disagree on the step: {sorted(steps)}")
+        try:
+            write_param_state = self._plan_param_state_load(state_dict)
+            saved_groups = state_dict["optimizer"]["param_groups"]
+            inner_groups = self.inner_state.saved_param_groups()
+            groups = self._pair_saved_param_groups(saved_groups, inner_groups)
+            steps = {group["step"] for group in groups if group.get("step") is not None}
+            for step in steps:
+                checks.step_value(step, "the checkpoint's param groups")
+            if len(steps) > 1 and self.inner_state.counts_steps_per_param():
+                raise ValueError(
+                    f"the checkpoint's param groups disagree on the step: {sorted(steps)}"
+                )
+        except Exception:
+            if self._load_request_outstanding:
+                # A dist-checkpoint read already wrote into the state it handed out.
+                self._load_guard.pending(
+                    "a distributed-checkpoint read wrote into the optimizer state, then "
+                    "load_state_dict refused the checkpoint"
+                )
+            raise
+        self._load_request_outstanding = False
 
         scaffolds = not self.optimizer.state and not self.inner_state.builds_own_state
         with self._load_guard.writing("load_state_dict"):

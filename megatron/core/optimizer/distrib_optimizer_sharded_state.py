@@ -334,12 +334,9 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         if is_loading:
             # The load writes into the optimizer's own tensors, which must exist by then.
             self._init_optimizer_states_with_dummy_values()
-            # The reader fills those tensors before load_state_dict can check anything, so
-            # from here the state is the checkpoint's in part until that load completes.
-            self._load_guard.pending(
-                "a distributed-checkpoint load has read into the optimizer state and "
-                "load_state_dict has not completed"
-            )
+            # The reader fills those tensors before load_state_dict can check anything: if
+            # that load then refuses the checkpoint, the state is already partly its.
+            self._load_request_outstanding = True
             common_state = self._common_state_dict()
         else:
             common_state = self.state_dict()
