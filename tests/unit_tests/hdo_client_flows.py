@@ -61,6 +61,23 @@ def offload_state_by_reassignment(hdo):
                 entry[key] = value.to("cpu", non_blocking=True)
 
 
+def client_master_update(calls):
+    """A client's class-level replacement of ``_update_fp32_params_by_new_state`` (SkyRL's
+    shape): copy each entry's ``master_param`` into the fp32 copy of the parameters that have
+    one. Each call appends the optimizer to ``calls``."""
+
+    def update(self):
+        calls.append(self)
+        if not self.param_update_in_fp32:
+            return
+        for param, entry in self.state.items():
+            fp32 = self.param_to_fp32_param.get(param)
+            if fp32 is not None and "master_param" in entry:
+                fp32.data.copy_(entry["master_param"])
+
+    return update
+
+
 def reload_moments_to_the_accelerator(hdo, device="cuda"):
     """Bring the moments back with ``.to(device)`` (what clients do without the HDO's own
     ``_move_new_state_to_right_device``)."""

@@ -118,15 +118,7 @@ def _round_trip(case, flow, fraction, precision_aware):
 
 def _resume_with_patched_master_update(case, fraction, precision_aware, folder, monkeypatch):
     calls = []
-
-    def update_masters(self):  # SkyRL's replacement: copy master_param into fp32 copies
-        calls.append(self)
-        if not self.param_update_in_fp32:
-            return
-        for param, entry in self.state.items():
-            fp32 = self.param_to_fp32_param.get(param)
-            if fp32 is not None and "master_param" in entry:
-                fp32.data.copy_(entry["master_param"])
+    update_masters = flows.client_master_update(calls)
 
     # pylint: disable-next=import-outside-toplevel
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer

@@ -200,27 +200,11 @@ def test_get_sub_optimizer_param_groups_describes_the_placement(fraction):
         optimizer._get_sub_optimizer_param_groups(1.0 - fraction + 0.25)
 
 
-def _client_master_update(calls):
-    """A client's replacement of ``_update_fp32_params_by_new_state`` (SkyRL's shape): copy
-    each entry's ``master_param`` into the fp32 copy of parameters that have one."""
-
-    def update(self):
-        calls.append(self)
-        if not self.param_update_in_fp32:
-            return
-        for param, entry in self.state.items():
-            fp32 = self.param_to_fp32_param.get(param)
-            if fp32 is not None and "master_param" in entry:
-                fp32.data.copy_(entry["master_param"])
-
-    return update
-
-
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_a_class_level_master_update_and_sync_after_a_load_resume_exactly(fraction, monkeypatch):
     calls = []
     monkeypatch.setattr(
-        HybridDeviceOptimizer, "_update_fp32_params_by_new_state", _client_master_update(calls)
+        HybridDeviceOptimizer, "_update_fp32_params_by_new_state", flows.client_master_update(calls)
     )
     params, optimizer = make(fraction)
     train(params, optimizer, 3, seed=1)
