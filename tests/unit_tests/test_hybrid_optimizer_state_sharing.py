@@ -156,11 +156,23 @@ def test_upstreams_members_are_there(member):
     )
 
 
-def test_the_d2h_event_map_is_there_and_empty_between_steps():
-    params, optimizer = make(0.5)
-    assert optimizer._cpu_optimizer_map_data_event == {}  # pylint: disable=protected-access
+@requires_cuda
+def test_a_download_notes_its_event_and_the_step_takes_it():
+    """``_cpu_optimizer_map_data_event`` maps each host sub-optimizer whose gradients are on
+    their way to the event of that copy, as upstream's does; a step leaves none behind."""
+    # pylint: disable=protected-access
+    params, optimizer = make(1.0)
+    assert optimizer._cpu_optimizer_map_data_event == {}
     train(params, optimizer, 1, seed=1)
-    assert optimizer._cpu_optimizer_map_data_event == {}  # pylint: disable=protected-access
+    assert optimizer._cpu_optimizer_map_data_event == {}
+    for param in params:
+        param.grad = torch.ones_like(param)
+    first = optimizer._ring_plan.first_downloads[0]
+    optimizer._download(first)
+    event = optimizer._cpu_optimizer_map_data_event[optimizer._buckets[first].optimizer]
+    assert isinstance(event, torch.cuda.Event)
+    event.synchronize()
+    optimizer._cpu_optimizer_map_data_event.clear()
 
 
 def _built_once(optimizer):

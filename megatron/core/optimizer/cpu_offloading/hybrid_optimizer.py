@@ -321,6 +321,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.param_to_fp32_param,
         )
 
+    def _new_sub_state_map(self) -> StateMap:
+        """A sub-optimizer's ``state``: its inner tensors map to the shared entries."""
+        return StateMap(self._entries_by_inner.get)
+
+    def _shared_sub_state(self, optimizer: torch.optim.Optimizer) -> StateMap:
+        """``optimizer.state``, put back to a shared map if it was replaced as a whole."""
+        if not isinstance(optimizer.state, StateMap):
+            optimizer.state = self._new_sub_state_map()
+        return optimizer.state
+
     def _entry_of(self, param) -> Optional[ParamState]:
         """The state dict shared by ``param`` and its sub-optimizer (None for other keys)."""
         if not isinstance(param, torch.Tensor):
@@ -454,7 +464,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._entries: Dict[torch.Tensor, ParamState] = {}
         self._entries_by_inner: Dict[torch.Tensor, ParamState] = {}
         for optimizer in self.sub_optimizers:
-            optimizer.state = StateMap(self._entries_by_inner.get)
+            optimizer.state = self._new_sub_state_map()
         for param, inner in self.param_to_inner_param.items():
             owner = self._owner[inner]
             entry = ParamState(param, inner, owner, self.param_update_in_fp32, self._state_changes)
@@ -480,13 +490,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         staged = []
         for optimizer in self.cpu_optimizers:
             grads, end = [], 0
-            for group in optimizer.param_groups:
-                for host in group["params"]:
-                    param = self.cpu_copys_map_gpu_param.get(host)
-                    if param is not None:  # a host-resident parameter has its own gradient
-                        offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
-                        grads.append((host, param, offset))
-                        end = offset + _nbytes(host)
+            for host in _param_generator(optimizer):
+                param = self.cpu_copys_map_gpu_param.get(host)
+                if param is not None:  # a host-resident parameter has its own gradient
+                    offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+                    grads.append((host, param, offset))
+                    end = offset + _nbytes(host)
             if grads:
                 staged.append(len(self._buckets))
             self._buckets.append(_Bucket(optimizer, grads, end))
@@ -778,7 +787,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Take in a sub-optimizer's ``state`` that was replaced as a whole (its own
         ``load_state_dict``, say): its dicts refill the shared entries, which it gets back."""
         replaced = optimizer.state
-        optimizer.state = StateMap(self._entries_by_inner.get)
+        optimizer.state = self._new_sub_state_map()
         for entry in self._entries.values():
             if entry.optimizer is not optimizer:
                 continue
@@ -803,14 +812,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if replaced:
             self.state = StateMap(self._entry_of)
         for param, entry in self._entries.items():
-            value = dict.get(shown, param) if isinstance(shown, dict) else shown.get(param)
+            value = shown.get(param)
             if value is not None and value is not entry:
                 entry.refill(value)
             elif replaced and value is None:
                 dict.clear(entry)
-            sub_state = entry.optimizer.state
-            if not isinstance(sub_state, StateMap):
-                entry.optimizer.state = sub_state = StateMap(self._entries_by_inner.get)
+            sub_state = self._shared_sub_state(entry.optimizer)
             if dict.get(sub_state, entry.inner) is not entry:
                 dict.__setitem__(sub_state, entry.inner, entry)
         self._sync_sub_optimizers_state_to_hdo()
@@ -905,6 +912,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         per_element = {MASTER, "step"}
         live_keys = {k for e in self._entries.values() for k in e if k not in per_element}
         saved_keys = {k for e in state_dict["state"].values() for k in e if k not in per_element}
+        # The optimizer's own tensors coming back (a reload of its own state dict, as the
+        # distributed optimizer does) were checked when they were loaded.
+        own = {id(v) for e in self._entries.values() for v in e.values() if torch.is_tensor(v)}
         planned, loaded_tensors = {}, []
         for param_id, entry in state_dict["state"].items():
             param = id_to_param.get(param_id)
@@ -922,7 +932,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         values[key] = torch.tensor(float(step), dtype=torch.float32)
                 elif isinstance(value, torch.Tensor):
                     checks.check_state_shape(value, param.shape, key, where)
-                    loaded_tensors.append((f"parameter {param_id!r}", key, value))
+                    if id(value) not in own:
+                        loaded_tensors.append((f"parameter {param_id!r}", key, value))
         checks.scan_nonfinite(loaded_tensors, "the HybridDeviceOptimizer state dict")
         return planned
 
@@ -964,10 +975,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             values.pop(MASTER, None)  # already written into the inner tensor
             dict.clear(entry)
             dict.update(entry, values)
-            sub_state = entry.optimizer.state
-            if not isinstance(sub_state, StateMap):
-                entry.optimizer.state = sub_state = StateMap(self._entries_by_inner.get)
-            dict.__setitem__(sub_state, entry.inner, entry)
+            dict.__setitem__(self._shared_sub_state(entry.optimizer), entry.inner, entry)
             self._list_entry(entry)
         self._state_changes.created.clear()
         self._state_changes.parked.clear()
