@@ -84,8 +84,9 @@ class FusedAdamDouble(torch.optim.Optimizer):
       empties each parameter's state and sets every incoming value again through
       ``set_scaled_state``, so each state is allocated anew next to the incoming tensor.
 
-    ``step`` keeps the Adam step in ``param_group["step"]`` and does a plain AdamW update in
-    fp32 (from master weights where kept). Not reproduced: Float8Tensor (uint8 states are plain
+    ``step`` keeps the Adam step in ``param_group["step"]``, creates the state of every
+    parameter it visits (with a gradient or not, as TE does) and does a plain AdamW update in
+    fp32 (from master weights where kept) of those with a gradient. Not reproduced: Float8Tensor (uint8 states are plain
     uint8 tensors), DTensor re-wrapping of allocated state, tensor learning rates of capturable
     mode, and the fused kernels' arithmetic.
     """
@@ -226,12 +227,12 @@ class FusedAdamDouble(torch.optim.Optimizer):
             fix1 = 1.0 - beta1 ** count if group["bias_correction"] else 1.0
             fix2 = 1.0 - beta2 ** count if group["bias_correction"] else 1.0
             for param in group["params"]:
-                if param.grad is None:
-                    continue
                 state = self.state[param]
                 remainders = self._keeps_remainders(param, "master_param")
                 if not state:
                     self.initialize_state(param, remainders)
+                if param.grad is None:
+                    continue
                 grad = param.grad.float()
                 exp_avg = self.get_unscaled_state(param, "exp_avg")
                 exp_avg_sq = self.get_unscaled_state(param, "exp_avg_sq")

@@ -33,15 +33,18 @@ from megatron.core.dist_checkpointing.mapping import (
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import distrib_optimizer_upstream
     from buffer_doubles import FakeGroup
+    from optimizer_doubles import FusedAdamDouble
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import distrib_optimizer_upstream
     from tests.unit_tests.buffer_doubles import FakeGroup
+    from tests.unit_tests.optimizer_doubles import FusedAdamDouble
 
 sharded_state = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer_sharded_state",
     reason="the fork's module is not importable (overlay off?)",
 )
 ranges = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_ranges")
+param_state = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_param_state")
 inner = pytest.importorskip("megatron.core.optimizer.inner_optimizer_state")
 LoadGuard = pytest.importorskip("megatron.core.optimizer.state_load_checks").LoadGuard
 
@@ -172,7 +175,9 @@ class Host:
     * ``_get_main_param_and_optimizer_states`` / ``_set_...``: through the fork's
       ``InnerOptimizerState`` over a torch AdamW of the owned fp32 shards (``expose_step`` adds
       torch's ``step`` to what is read, as 0.19.2's getter does);
-    * ``get_parameter_state_dp_reshardable``: upstream's own (it communicates nothing);
+    * ``_main_param_and_optimizer_load_targets``: the getter's load-side twin;
+    * ``get_parameter_state_dp_reshardable``: upstream's own (it communicates nothing), and
+      the fork's ``_dp_reshardable_layout`` that loads use;
     * ``get_parameter_state_dp_zero``: the gather over all ranks simulated from the truth, in
       the documented coalesced layout (each bucket's unpadded elements back to back); every
       call is recorded in ``gathers``;
@@ -222,8 +227,19 @@ class Host:
                     )
                     groups[group_index]["params"].append(shard)
                     self.shard_of[param] = (shard, flat, world)
-        self.optimizer = torch.optim.AdamW(groups)
-        self.inner_state = inner.InnerOptimizerState(self.optimizer, STATE_KEYS)
+        moment_dtype = options.get("precision_aware")
+        if moment_dtype is None:
+            self.optimizer = torch.optim.AdamW(groups)
+        else:
+            self.optimizer = FusedAdamDouble(
+                groups,
+                master_weights=True,
+                exp_avg_dtype=moment_dtype,
+                exp_avg_sq_dtype=moment_dtype,
+            )
+        self.inner_state = inner.InnerOptimizerState(
+            self.optimizer, STATE_KEYS, precision_aware=moment_dtype is not None
+        )
         self._load_guard = LoadGuard(type(self).__name__)
         if options.get("materialise", True):
             self.inner_state.materialise()
@@ -249,8 +265,14 @@ class Host:
         self.loaded_common.append(state_dict)
 
     def _get_main_param_and_optimizer_states(self, model_param):
+        return self._tensors_of(model_param, self.inner_state.read)
+
+    def _main_param_and_optimizer_load_targets(self, model_param):
+        return self._tensors_of(model_param, self.inner_state.load_targets)
+
+    def _tensors_of(self, model_param, access):
         shard = self.shard_of[model_param][0]
-        tensors = self.inner_state.read(shard)
+        tensors = access(shard)
         if self.expose_step:
             tensors["step"] = self.optimizer.state[shard]["step"]
         return tensors
@@ -259,6 +281,13 @@ class Host:
         self.inner_state.write(self.shard_of[model_param][0], tensors)
 
     get_parameter_state_dp_reshardable = Upstream.get_parameter_state_dp_reshardable
+    # Loading lays the pieces out with the fork's walker, which the saves above cross-check.
+    _dp_reshardable_layout = param_state.DistributedOptimizerParameterStateMixin.__dict__[
+        "_dp_reshardable_layout"
+    ]
+    _param_state_buffers = param_state.DistributedOptimizerParameterStateMixin.__dict__[
+        "_param_state_buffers"
+    ]
 
     def get_parameter_state_dp_zero(
         self, use_gloo_comm=True, empty_data=False, return_on_all_ranks=False
@@ -540,6 +569,73 @@ def test_dp_reshardable_pieces_are_the_live_optimizer_tensors(world_size, rank):
                 tensors = [v.data for v in piece.values() if isinstance(v, ShardedTensor)]
                 if not piece["padding"].obj:
                     assert all(id(t) in live for t in tensors)
+
+
+def dp_reshardable_pieces(host, state):
+    """The non-padding pieces of a dp_reshardable param state, by the model param they are of."""
+    pieces = {}
+    for buf_index, range_map in enumerate(host.gbuf_ranges):
+        for bucket, saved in zip(range_map[DTYPES], state[buf_index][DTYPES]):
+            owned = [p for p in saved if not getattr(p["padding"], "obj", p["padding"])]
+            for param, piece in zip(bucket["param_map"], owned):
+                pieces[param] = {k: piece[k] for k in TRUTH_KEYS}
+    return pieces
+
+
+@pytest.mark.parametrize("world_size,rank", [(1, 0), (3, 2)])
+@pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dp_reshardable_reads_precision_aware_state_in_place_or_on_the_host(
+    world_size, rank, moment_dtype
+):
+    """The checkpoint holds fp32 moments. bf16 moments are stored by a plain cast, so the read
+    casts into the live tensors and the write has nothing left to do; fp16 moments need a
+    scale, so they are read into host fp32 tensors and scaled by the write. Nothing is staged
+    next to the live state, and the result is what writing the saved values gives."""
+    saver = build(MULTI_BUCKET, world_size, rank, seed=1, precision_aware=moment_dtype)
+    saved = saver.sharded_param_state_dp_reshardable({}, False, {})
+    shared = dict(model=saver.model_chunks[0], buffers=saver.buffers, precision_aware=moment_dtype)
+    loader = build(MULTI_BUCKET, world_size, rank, seed=2, **shared)
+    expected = build(MULTI_BUCKET, world_size, rank, seed=2, **shared)
+    for param, tensors in dp_reshardable_pieces(expected, saved).items():
+        # Scaling divides its input in place (as TE's does), so the saved values are copied.
+        expected._set_main_param_and_optimizer_states(
+            param, {k: v.data.clone() for k, v in tensors.items()}
+        )
+
+    request = loader.sharded_param_state_dp_reshardable({}, True, {})
+    live = {t.data_ptr(): t for entry in loader.optimizer.state.values() for t in entry.values()}
+    for buf_index in range(len(loader.buffers)):
+        for pieces in request[buf_index][DTYPES]:
+            for piece in (p for p in pieces if not p["padding"].obj):
+                assert piece["param"].data.data_ptr() in live  # the fp32 master
+                for key in STATE_KEYS:
+                    target = piece[key].data
+                    if moment_dtype == torch.bfloat16:
+                        assert live.get(target.data_ptr()) is target
+                    else:
+                        assert target.data_ptr() not in live and target.dtype == torch.float32
+
+    scalings = []
+    setter = loader.optimizer.set_scaled_state
+    loader.optimizer.set_scaled_state = lambda p, name, v: (
+        scalings.append(name),
+        setter(p, name, v),
+    )
+    # The second pass: what the loader does with each piece that came back.
+    for param, tensors in dp_reshardable_pieces(loader, simulate_load(saved, request)).items():
+        loader._set_main_param_and_optimizer_states(param, tensors)
+    moments_scaled = sum(name in STATE_KEYS for name in scalings)
+    pieces = len(loader.optimizer.state)
+    assert moments_scaled == (0 if moment_dtype == torch.bfloat16 else 2 * pieces)
+    for param, shard in ((p, loader.shard_of[p][0]) for p in loader.shard_of):
+        reference = expected.optimizer.state[expected.shard_of[param][0]]
+        for key, value in loader.optimizer.state[shard].items():
+            assert torch.equal(value, reference[key]), key
+        if moment_dtype != torch.bfloat16:
+            for key, scale in loader.optimizer._scales[shard].items():
+                assert torch.equal(
+                    scale, expected.optimizer._scales[expected.shard_of[param][0]][key]
+                )
 
 
 @pytest.mark.parametrize("world_size,rank", RANKS)

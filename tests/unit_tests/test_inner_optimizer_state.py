@@ -133,6 +133,71 @@ def test_null_step_leaves_existing_state_alone():
     assert all(key in optimizer.state[p] for p in params for key in ("exp_avg", "step"))
 
 
+class RecordsGradients(torch.optim.AdamW):
+    """torch AdamW that records, at each step, how many elements of its parameters have a
+    gradient (what a null step allocates besides the state)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, lr=1e-2, **kwargs)
+        self.elements_with_grads = []
+
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        self.elements_with_grads.append(sum(p.numel() for p in params if p.grad is not None))
+        return super().step(closure)
+
+
+class CreatesStateWithoutGradients(RecordsGradients):
+    """Creates the state of every parameter it visits, with a gradient or not, as TE
+    FusedAdam's step does."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not self.state[param]:
+                    self.state[param].update(
+                        step=torch.tensor(0.0),
+                        exp_avg=torch.zeros_like(param),
+                        exp_avg_sq=torch.zeros_like(param),
+                    )
+        return super().step(closure)
+
+
+def test_null_step_needs_no_gradients_where_the_step_creates_state_without_them():
+    params, optimizer = make(CreatesStateWithoutGradients)
+    materialise_by_null_step(optimizer)
+    assert optimizer.elements_with_grads == [0]
+    assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in params)
+    assert all(p.grad is None for p in params)
+
+
+def test_null_step_gives_gradients_to_a_bounded_share_of_the_elements_at_a_time():
+    generator = torch.Generator().manual_seed(3)
+    sizes = [1000, 7, 300, 64, 2048, 5, 999, 128] * 8
+    params = [torch.nn.Parameter(torch.randn(n, generator=generator)) for n in sizes]
+    optimizer = RecordsGradients([{"params": params[::2]}, {"params": params[1::2]}])
+    reference_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    reference = torch.optim.AdamW(
+        [{"params": reference_params[::2]}, {"params": reference_params[1::2]}], lr=1e-2
+    )
+    params[1].grad = torch.ones_like(params[1])  # a gradient the null step must put back
+    kept_grad = params[1].grad
+
+    materialise_by_null_step(optimizer)
+
+    budget = max(-(-sum(sizes) // _contract.NULL_STEP_SHARES), max(sizes))
+    assert optimizer.elements_with_grads[0] == 0
+    assert len(optimizer.elements_with_grads) > 2
+    assert 0 < max(optimizer.elements_with_grads) <= budget
+    assert params[1].grad is kept_grad and all(p.grad is None for p in params if p is not params[1])
+    for param in params:
+        state = optimizer.state[param]
+        assert torch.equal(state["step"], torch.tensor(0.0))
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    params[1].grad = None
+    assert_trains_alike(params, optimizer, reference_params, reference, seed=4)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("restore_model", [True, False], ids=["with_model", "state_only"])
 def test_write_restores_a_checkpoint_in_place_and_resumes_exactly(name, restore_model):

@@ -837,8 +837,18 @@ class DistributedOptimizer(
             it out of the per-element state). Precision-aware state comes back unscaled in
             fp32; otherwise the tensors are the live ones.
         """
+        return self._main_param_and_optimizer_tensors(model_param, self.inner_state.read)
+
+    def _main_param_and_optimizer_load_targets(self, model_param):
+        """Where a checkpoint read puts the main value and optimizer state of the owned piece
+        of ``model_param``: keyed as :meth:`_get_main_param_and_optimizer_states`, the live
+        tensors wherever storing the saved value is a plain copy or cast, host tensors where
+        the inner optimizer must scale it first (never new accelerator memory)."""
+        return self._main_param_and_optimizer_tensors(model_param, self.inner_state.load_targets)
+
+    def _main_param_and_optimizer_tensors(self, model_param, tensors_of):
         shard = self._inner_param(model_param)
-        tensors = self.inner_state.read(shard)
+        tensors = tensors_of(shard)
         step = self.optimizer.state.get(shard, {}).get("step")
         if torch.is_tensor(step):
             tensors["step"] = step

@@ -248,6 +248,11 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
             plus ``"gbuf_local_start"``/``"gbuf_local_end"``, its place in the rank's shard.
             The lists and entries are new, so callers may edit them.
         """
+        return self._dp_reshardable_layout(self._get_main_param_and_optimizer_states)
+
+    def _dp_reshardable_layout(self, tensors_of):
+        """:meth:`get_parameter_state_dp_reshardable`'s dict with each piece's tensors given
+        by ``tensors_of(model_param)``."""
         state = {
             PER_BUCKET_NUMEL: self.per_bucket_numel,
             PER_BUCKET_NUMEL_UNPADDED: self.per_bucket_numel_unpadded,
@@ -257,7 +262,7 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
             for bucket_map in bucket_maps:
                 entries = []
                 for model_param, ranges in bucket_map["param_map"].items():
-                    entry = dict(self._get_main_param_and_optimizer_states(model_param))
+                    entry = dict(tensors_of(model_param))
                     entry["gbuf_local_start"] = ranges["gbuf_local"].start
                     entry["gbuf_local_end"] = ranges["gbuf_local"].end
                     entries.append(entry)

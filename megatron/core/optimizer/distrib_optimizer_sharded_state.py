@@ -32,8 +32,9 @@ The host class supplies the attributes under upstream's names (``gbuf_ranges``, 
 ``data_parallel_group``, ``data_parallel_group_idx``, ``distributed_optimizer_instance_id``,
 ``ddp_config``, ``model_chunks``, ``optimizer``, ``state``, ``optimizer_state_keys``,
 ``inner_state``) and the methods ``state_dict``, ``_get_main_param_and_optimizer_states``,
-``_set_main_param_and_optimizer_states``, ``get_parameter_state_dp_zero`` and
-``get_parameter_state_dp_reshardable``.
+``_main_param_and_optimizer_load_targets``, ``_set_main_param_and_optimizer_states``,
+``get_parameter_state_dp_zero``, ``get_parameter_state_dp_reshardable`` and
+``_dp_reshardable_layout``.
 """
 
 import gc
@@ -664,18 +665,24 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         so that the pieces of all ranks cover the tensor, whose length is the bucket's unpadded
         size: the padding past it depends on the data-parallel size and is left out. Keys are
         ``optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.dtype_<d>.bucket_idx_<b>.<key>``.
-        Pieces are views of the live optimizer tensors, so a load needs no copy. No data is
-        exchanged; only the data-parallel size may change between save and load.
+        Saving, pieces are views of the live optimizer tensors (unscaled fp32 copies for
+        precision-aware state). Loading, they are the live tensors wherever the saved value is
+        stored by a plain cast, so the read lands in place and allocates nothing; state the
+        inner optimizer must scale is read into host tensors. No data is exchanged; only the
+        data-parallel size may change between save and load.
 
         Returns:
             dict: ``get_parameter_state_dp_reshardable``'s dict with ShardedTensors in place of
             tensors, ``padding`` and ``step`` wrapped as local non-persistent objects, and the
             bucket sizes as ShardedObjects.
         """
-        del model_sharded_state_dict, is_loading, metadata  # same dict for save and load
+        del model_sharded_state_dict, metadata  # the layout depends on neither
         dp_rank = self.data_parallel_group.rank()
         dp_size = self.data_parallel_group.size()
-        state = self.get_parameter_state_dp_reshardable()
+        if is_loading:
+            state = self._dp_reshardable_layout(self._main_param_and_optimizer_load_targets)
+        else:
+            state = self.get_parameter_state_dp_reshardable()
         for name in ('per_bucket_numel', 'per_bucket_numel_unpadded'):
             state[name] = ShardedObject(
                 self._dp_group_key(name),
@@ -790,11 +797,16 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             dict: ``{index: {key: ShardedTensor or factory}}``, owned slices numbered buffer by
             buffer, bucket by bucket.
         """
-        del is_loading, metadata  # same dict for save and load
+        del metadata  # the layout does not depend on it
         by_param = _model_tensors_by_param(model_sharded_state_dict)
+        tensors_of = (
+            self._main_param_and_optimizer_load_targets
+            if is_loading
+            else self._get_main_param_and_optimizer_states
+        )
         state = {}
         for index, (model_param, param_range_map) in enumerate(self._owned_param_ranges()):
-            tensors = self._get_main_param_and_optimizer_states(model_param)
+            tensors = tensors_of(model_param)
             tensors['fp32_param'] = tensors.pop('param')
             model_entry = _model_metadata(by_param, model_param)
             if len(model_entry.replica_id) != 3:

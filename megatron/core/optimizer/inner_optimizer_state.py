@@ -20,35 +20,61 @@ MASTER = "master_param"
 """State key of an fp32 master copy kept by the inner optimizer."""
 
 
+NULL_STEP_SHARES = 32
+"""A null step gives zero gradients to at most this share of the parameters' elements at a
+time (``1 / NULL_STEP_SHARES``), so that creating the state costs little more than the state."""
+
+
 @torch.no_grad()
 def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
     """Create the state of every parameter that has none, changing nothing else.
 
-    The parameters without state take one step with zero gradients, a zero learning rate
-    and no weight decay (so neither they nor their moments move), after which every step
-    counter the step advanced is put back and the param groups are restored. The result is
-    the state a never-stepped optimizer would create on its first step.
+    The parameters without state take a step with a zero learning rate and no weight decay (so
+    neither they nor their moments move), after which every step counter the step advanced is
+    put back and the param groups are restored. The result is the state a never-stepped
+    optimizer would create on its first step.
+
+    Memory: the first step gives no gradients, which is enough for optimizers that create the
+    state of every parameter they visit (TE FusedAdam), so that nothing but the state is
+    allocated. The parameters still without state then step in batches of at most
+    ``1 / NULL_STEP_SHARES`` of the elements (or one parameter, if larger), each with zero
+    gradients and whatever temporaries the step needs for that batch alone.
 
     Args:
         optimizer: any optimizer whose step reads ``lr`` and ``weight_decay`` from its groups.
     """
-    saved = []
-    for group in optimizer.param_groups:
-        # Empty parameters get no state: FusedAdam's kernels refuse zero-element tensors.
-        fresh = [p for p in group["params"] if not optimizer.state.get(p) and p.numel() > 0]
-        saved.append((group, dict(group), [(p, p.grad) for p in fresh]))
-        group["params"] = fresh
-        for key in ("lr", "weight_decay"):
-            if key in group:
-                value = group[key]
-                group[key] = torch.zeros_like(value) if torch.is_tensor(value) else 0.0
-        for param in fresh:
-            param.grad = torch.zeros_like(param)
+    groups = optimizer.param_groups
+    # Empty parameters get no state: FusedAdam's kernels refuse zero-element tensors.
+    fresh = [
+        [p for p in group["params"] if not optimizer.state.get(p) and p.numel() > 0]
+        for group in groups
+    ]
+    if not any(fresh):
+        return
+    saved = [(dict(group), [(p, p.grad) for p in params]) for group, params in zip(groups, fresh)]
     try:
-        if any(group["params"] for group in optimizer.param_groups):
-            optimizer.step()
+        for group in groups:
+            for key in ("lr", "weight_decay"):
+                if key in group:
+                    value = group[key]
+                    group[key] = torch.zeros_like(value) if torch.is_tensor(value) else 0.0
+        for params in fresh:
+            for param in params:
+                param.grad = None
+        _step_on(optimizer, fresh)
+        remaining = [[p for p in params if not optimizer.state.get(p)] for params in fresh]
+        for batch in _null_step_batches(remaining):
+            for params in batch:
+                for param in params:
+                    param.grad = torch.zeros_like(param)
+            try:
+                _step_on(optimizer, batch)
+            finally:
+                for params in batch:
+                    for param in params:
+                        param.grad = None
     finally:
-        for group, settings, grads in saved:
+        for group, (settings, grads) in zip(groups, saved):
             group.clear()
             group.update(settings)
             for param, grad in grads:
@@ -58,6 +84,51 @@ def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
                     step.zero_()
                 elif step is not None:
                     optimizer.state[param]["step"] = 0
+
+
+def _step_on(optimizer: torch.optim.Optimizer, params_per_group: List[List[torch.Tensor]]):
+    """One step of ``optimizer`` with each group holding only the given parameters."""
+    if not any(params_per_group):
+        return
+    for group, params in zip(optimizer.param_groups, params_per_group):
+        group["params"] = params
+    optimizer.step()
+
+
+def _null_step_batches(params_per_group: List[List[torch.Tensor]]):
+    """Split parameters (listed per group) into batches of about ``1 / NULL_STEP_SHARES`` of
+    their elements, each batch listed per group again."""
+    total = sum(p.numel() for params in params_per_group for p in params)
+    budget = -(-total // NULL_STEP_SHARES)
+    batch = [[] for _ in params_per_group]
+    size = 0
+    for index, params in enumerate(params_per_group):
+        for param in params:
+            if size and size + param.numel() > budget:
+                yield batch
+                batch = [[] for _ in params_per_group]
+                size = 0
+            batch[index].append(param)
+            size += param.numel()
+    if size:
+        yield batch
+
+
+# Live state dtypes that TE FusedAdam stores an unscaled fp32 value into by a plain cast: a
+# checkpoint read can land in them directly.
+_CAST_ON_STORE = (torch.float32, torch.bfloat16, torch.int16)
+
+
+def _is_same_tensor(incoming: Any, live: Any) -> bool:
+    """Whether ``incoming`` is ``live`` itself (or a view covering exactly its elements)."""
+    return (
+        isinstance(incoming, torch.Tensor)
+        and isinstance(live, torch.Tensor)
+        and incoming.dtype == live.dtype
+        and incoming.device == live.device
+        and incoming.numel() == live.numel()
+        and incoming.data_ptr() == live.data_ptr()
+    )
 
 
 def keeps_param_remainders(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> bool:
@@ -195,6 +266,16 @@ class InnerOptimizerState:
         tensors["param"] = state.get(MASTER, self._holder(param))
         return tensors
 
+    def load_targets(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Tensors a checkpoint read can fill for ``param``, keyed as :meth:`read`.
+
+        A checkpoint holds what :meth:`read` gives: fp32 master values and unscaled state.
+        Wherever storing such a value is a plain copy (or cast) into the live tensor, the
+        live tensor is the target, so that the read lands in place and the later
+        :meth:`write` has nothing left to do for it. Plain optimizers keep every such tensor.
+        """
+        return self.read(param)
+
     def _holder(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the optimizer steps for ``param``: the parameter itself."""
         return param
@@ -292,17 +373,43 @@ class ScaledFusedAdamState(InnerOptimizerState):
         super().check_write(param, tensors)
         self._master_as_kept(param, tensors["param"])
 
+    def load_targets(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Tensors a checkpoint read can fill for ``param``: the live tensor where the
+        optimizer stores the saved value by a plain cast (fp32 and bf16 state, int16
+        remainders), a host fp32 tensor where it computes a scale first (fp16 or fp8 state).
+
+        The host tensors keep what a scale needs off the accelerator: they cost host memory
+        (4 bytes per element and key) until :meth:`write` scales them into the live state.
+        """
+        state = self.optimizer.state[param]
+        targets = {}
+        for key, name in [(key, key) for key in self.state_keys] + [("param", MASTER)]:
+            live = state.get(name)
+            if not isinstance(live, torch.Tensor):
+                raise KeyError(
+                    f"{type(self.optimizer).__name__} has no {name!r} state for a parameter of "
+                    f"shape {tuple(param.shape)}; materialise the state before loading it"
+                )
+            if type(live) is torch.Tensor and live.dtype in _CAST_ON_STORE:
+                targets[key] = live
+            else:
+                targets[key] = torch.empty(live.shape, dtype=torch.float32, device="cpu")
+        return targets
+
     @torch.no_grad()
     def write(self, param: torch.Tensor, tensors: Dict[str, torch.Tensor]) -> None:
         """Set ``param``'s master value and state from ``tensors``, scaled into the tensors the
-        optimizer keeps."""
+        optimizer keeps (a tensor that is the live one, filled by the read, is left as is)."""
         missing = [key for key in ("param",) + self.state_keys if key not in tensors]
         if missing:
             raise KeyError(f"checkpointed parameter state lacks {missing}")
+        state = self.optimizer.state[param]
         setter = self.optimizer.set_scaled_state
-        setter(param, MASTER, self._master_as_kept(param, tensors["param"]))
+        if not _is_same_tensor(tensors["param"], state.get(MASTER)):
+            setter(param, MASTER, self._master_as_kept(param, tensors["param"]))
         for key in self.state_keys:
-            setter(param, key, tensors[key].to(torch.float32))
+            if not _is_same_tensor(tensors[key], state.get(key)):
+                setter(param, key, tensors[key].to(torch.float32))
 
     def _master_as_kept(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``master`` in the form ``set_scaled_state`` takes: fp32, or the int16 remainders
