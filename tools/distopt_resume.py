@@ -97,9 +97,18 @@ SAVE_SEED, LOAD_SEED = 1, 7
 MANIFEST = "manifest.json"
 # "default" keeps megatron-core's own choice of Adam (and the case names from before the
 # variants existed); the others only make sense on TE FusedAdam, without offload.
-OPTIMIZERS = ("default", "fused_adam", "precision_aware", "precision_aware_remainders")
+OPTIMIZERS = (
+    "default",
+    "fused_adam",
+    "precision_aware",
+    "precision_aware_remainders",
+    "precision_aware_fp16",
+)
 TE_OPTIMIZERS = OPTIMIZERS[1:]
-PRECISION_AWARE = ("precision_aware", "precision_aware_remainders")
+PRECISION_AWARE = OPTIMIZERS[2:]
+# Moment dtype of each precision-aware variant (fp16 moments are kept with per-tensor scales).
+MOMENT_DTYPES = {"precision_aware_fp16": torch.float16}
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # Constructor arguments megatron-core's OptimizerConfig requires of TE FusedAdam before it
 # accepts --use-precision-aware-optimizer.
 PRECISION_AWARE_ARGUMENTS = (
@@ -301,13 +310,15 @@ def optimizer_options(case):
         "use_precision_aware_optimizer": offloaded,
     }
     if case.optimizer in PRECISION_AWARE:
-        # --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 with
-        # fp32 main params: FusedAdam keeps the master weights and reads decoupled grads.
-        # store_param_remainders defaults to True in OptimizerConfig, so it is always spelt out.
+        # --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (or
+        # fp16) with fp32 main params: FusedAdam keeps the master weights and reads decoupled
+        # grads. store_param_remainders defaults to True in OptimizerConfig, so it is always
+        # spelt out.
+        moments = MOMENT_DTYPES.get(case.optimizer, torch.bfloat16)
         options.update(
             use_precision_aware_optimizer=True,
-            exp_avg_dtype=torch.bfloat16,
-            exp_avg_sq_dtype=torch.bfloat16,
+            exp_avg_dtype=moments,
+            exp_avg_sq_dtype=moments,
             main_params_dtype=torch.float32,
             store_param_remainders=case.optimizer == "precision_aware_remainders",
         )
@@ -324,11 +335,12 @@ def _expected_inner_settings(case):
         }
     if case.optimizer not in PRECISION_AWARE:
         return {}
+    moments = MOMENT_DTYPES.get(case.optimizer, torch.bfloat16)
     return {
         "master_weights": True,
         "master_weight_dtype": torch.float32,
-        "exp_avg_dtype": torch.bfloat16,
-        "exp_avg_sq_dtype": torch.bfloat16,
+        "exp_avg_dtype": moments,
+        "exp_avg_sq_dtype": moments,
         "use_decoupled_grad": True,
         "store_param_remainders": case.optimizer == "precision_aware_remainders",
     }
@@ -566,7 +578,8 @@ def prime(optimizer):
 
 
 class PhasePeaks:
-    """Peak GPU memory of each phase of a load, above what was allocated when it started.
+    """Peak GPU memory of each phase of a load, and what stays allocated after it, above what
+    was allocated when the load started.
 
     The peak counter is reset as each phase begins, so the largest phase peak is the peak of
     the whole load.
@@ -576,6 +589,7 @@ class PhasePeaks:
         torch.cuda.synchronize()
         self.start = torch.cuda.memory_allocated()
         self.peaks = {}
+        self.after = {}
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -585,6 +599,27 @@ class PhasePeaks:
         yield
         torch.cuda.synchronize()
         self.peaks[name] = torch.cuda.max_memory_allocated() - self.start
+        self.after[name] = torch.cuda.memory_allocated() - self.start
+
+
+def optimizer_state_bytes(optimizer):
+    """Bytes of the inner optimizers' per-parameter state, by device kind: ``"moments"``
+    (exp_avg and exp_avg_sq in their stored dtype: one state set) and ``"all"`` (every
+    state tensor: master copies or remainders, scales, step counters too)."""
+    found = {f"{place}_{what}": 0 for place in ("gpu", "host") for what in ("moments", "all")}
+    for dist in distributed_optimizers(optimizer):
+        seen = set()
+        for entry in dist.optimizer.state.values():
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor) or value.data_ptr() in seen:
+                    continue
+                seen.add(value.data_ptr())
+                size = value.numel() * value.element_size()
+                place = "gpu" if value.is_cuda else "host"
+                found[f"{place}_all"] += size
+                if key in MOMENT_KEYS:
+                    found[f"{place}_moments"] += size
+    return found
 
 
 def load_checkpoint(case, model, optimizer, folder, peaks):
@@ -759,7 +794,9 @@ def load_one(case, folder, args, rank, manifest, result, built=None):
     # Only rank 0 of the fork logs; upstream has no such logger.
     result["fused_adam_load_plans"] = plans.messages
     result["load_phase_peak_gpu_extra_bytes"] = peaks.peaks
+    result["load_phase_after_gpu_extra_bytes"] = peaks.after
     result["load_peak_gpu_extra_bytes"] = max(peaks.peaks.values())
+    result["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
     gc.collect()
     result["pinned_after_load_bytes"] = pinned_bytes_held()
     train(model, optimizer, case, FOLLOW_UP_STREAM, manifest["steps_after"], rank.rank, shape)
@@ -863,11 +900,17 @@ def _merge_case(parts):
         }
         for part in parts
     ]
-    phases = [part.get("load_phase_peak_gpu_extra_bytes") or {} for part in parts]
-    merged["load_phase_peak_gpu_extra_bytes"] = {
-        name: max(found[name] for found in phases if name in found)
-        for name in dict.fromkeys(name for found in phases for name in found)
-    }
+    # Per-rank figures by name (phases, kinds of state): the largest rank's.
+    for figures in (
+        "load_phase_peak_gpu_extra_bytes",
+        "load_phase_after_gpu_extra_bytes",
+        "optimizer_state_bytes",
+    ):
+        found = [part.get(figures) or {} for part in parts]
+        merged[figures] = {
+            name: max(each[name] for each in found if name in each)
+            for name in dict.fromkeys(name for each in found for name in each)
+        }
     for first_rank_only in ("inner_optimizer", "inner_settings", "fused_adam_load_plans"):
         merged[first_rank_only] = parts[0].get(first_rank_only)
     merged["mismatches"] = [m for part in parts for m in part.get("mismatches", [])][:20]

@@ -5,6 +5,7 @@ torchrun jobs share the GPUs."""
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -277,3 +278,38 @@ def test_ranks_merge_into_one_result_judged_by_the_worst_rank(tool):
     }
     assert merged["mismatches"] == ["state x: max |diff| 1"]
     assert [rank["pinned_cold_bytes"] for rank in merged["per_rank"]] == [5, 9]
+
+
+def test_optimizer_state_bytes_counts_each_tensor_once_by_place(tool):
+    shared = torch.zeros(8, dtype=torch.bfloat16)
+    inner = SimpleNamespace(
+        state={
+            "a": {"exp_avg": shared, "exp_avg_sq": torch.zeros(8, dtype=torch.bfloat16)},
+            "b": {"exp_avg": shared, "master_param": torch.zeros(8, dtype=torch.int16)},
+            "c": {"step": 3},
+        }
+    )
+    found = tool.optimizer_state_bytes(
+        SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner)])
+    )
+    assert found == {"gpu_moments": 0, "gpu_all": 0, "host_moments": 32, "host_all": 48}
+
+
+def test_load_memory_reports_phases_in_state_sets():
+    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_cpu")
+    mib = 2**20
+    result = {
+        "optimizer_state_bytes": {"gpu_moments": 4 * mib, "gpu_all": 6 * mib},
+        "load_phase_peak_gpu_extra_bytes": {"is_loading": 6 * mib, "read": 7 * mib},
+        "load_phase_after_gpu_extra_bytes": {"is_loading": 6 * mib, "read": 6 * mib},
+        "load_peak_gpu_extra_bytes": 7 * mib,
+        "load_seconds": 1.5,
+        "exact": True,
+    }
+    found = benchmark.figures(result)
+    assert (found["state_set_mib"], found["state_sets"], found["peak"]) == (4, 1.5, 1.75)
+    assert (found["read_peak"], found["read_after"], found["read_peak_mib"]) == (1.75, 1.5, 7)
+    assert found["load_state_dict_peak"] is None
+    # Offloaded state: no state set on the GPU, so only MiB.
+    offloaded = benchmark.figures(dict(result, optimizer_state_bytes={"host_moments": 4 * mib}))
+    assert offloaded["read_peak"] is None and offloaded["read_peak_mib"] == 7

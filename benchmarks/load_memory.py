@@ -1,0 +1,203 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+# pylint: disable=bad-builtin
+"""GPU memory and time of a DistributedOptimizer checkpoint load, upstream 0.19.2 beside the fork.
+
+Each row is a configuration people resume in: a precision mode (fp32 or bf16 parameters, TE
+FusedAdam with fp32 moments, Megatron's precision-aware optimizer with bf16 or fp16 moments,
+the HybridDeviceOptimizer with offloaded state) and a dist-checkpoint format. For each row
+and implementation, ``tools/distopt_resume.py`` trains a DDP model, saves, and resumes a
+fresh model and optimizer from the checkpoint, measuring around every phase of the load:
+
+``is_loading``
+    the first pass, ``optimizer.sharded_state_dict(..., is_loading=True)``;
+``read``
+    ``dist_checkpointing.load``;
+``load_state_dict``
+    the second pass.
+
+It reports each phase's peak GPU memory and what stays allocated after it, above the memory
+allocated before the load, in MiB and in state sets: one state set is the bytes of
+``exp_avg`` + ``exp_avg_sq`` of the rank's shard in their stored dtype on the GPU, and "state"
+is everything the optimizer keeps per parameter there (master copies or remainders too), the
+least any load must allocate. Offloaded state lives on the host; where no state is on the GPU
+only MiB are shown. It also reports the whole load's wall time and whether the resumed run
+is bit-exact. Each implementation resumes its own checkpoint, one job at a time.
+
+Needs CUDA and Transformer Engine (rows needing TE are reported as skipped without it)."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import distopt_resume  # noqa: E402  pylint: disable=wrong-import-position
+
+ROWS = {
+    "fp32-dp_reshardable": "fp32-off0-dp_reshardable-fused_adam",
+    "bf16-dp_reshardable": "bf16-off0-dp_reshardable-fused_adam",
+    "bf16-dp_zero_gather_scatter": "bf16-off0-dp_zero_gather_scatter-fused_adam",
+    "fp32-fully_reshardable": "fp32-off0-fully_reshardable-fused_adam",
+    "precision_aware-dp_reshardable": "bf16-off0-dp_reshardable-precision_aware_remainders",
+    "precision_aware-fully_reshardable": "bf16-off0-fully_reshardable-precision_aware_remainders",
+    "precision_aware_fp16-dp_reshardable": "bf16-off0-dp_reshardable-precision_aware_fp16",
+    "hdo_offload0.5-dp_reshardable": "bf16-off0.5-dp_reshardable",
+    "hdo_offload1-dp_reshardable": "bf16-off1-dp_reshardable",
+}
+"""Row name -> ``distopt_resume`` case: the issue's table, fp16 moments, and the HDO."""
+
+PHASES = ("is_loading", "read", "load_state_dict")
+IMPLEMENTATIONS = ("upstream", "fork")
+
+
+def figures(result):
+    """A result's load figures in state sets (None where no state set is on the GPU) and MiB.
+
+    Returns:
+        dict: ``state_set_mib``, ``state_sets`` (everything kept per parameter on the GPU, in
+        state sets), then ``<phase>_peak`` / ``<phase>_after`` in state sets and
+        ``<phase>_peak_mib`` / ``<phase>_after_mib``, ``peak``, ``load_s`` and ``exact``.
+    """
+    state = result.get("optimizer_state_bytes") or {}
+    unit = state.get("gpu_moments") or 0
+    sets = (lambda value: value / unit) if unit else (lambda value: None)
+    out = {
+        "state_set_mib": unit / 2**20,
+        "state_sets": sets(state.get("gpu_all", 0)),
+        "peak": sets(result.get("load_peak_gpu_extra_bytes") or 0),
+        "load_s": result.get("load_seconds"),
+        "exact": bool(result.get("exact")),
+        "error": result.get("error"),
+    }
+    for phase in PHASES:
+        for kind, key in (("peak", "load_phase_peak_gpu_extra_bytes"), ("after", None)):
+            key = key or "load_phase_after_gpu_extra_bytes"
+            value = (result.get(key) or {}).get(phase)
+            out[f"{phase}_{kind}_mib"] = None if value is None else value / 2**20
+            out[f"{phase}_{kind}"] = None if value is None else sets(value)
+    return out
+
+
+def _cell(value, digits=2):
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report(table, out=sys.stdout):
+    """Print one block per row: upstream and fork, each phase's peak and what stays after it."""
+    for row, by_side in table.items():
+        print(f"\n{row}  ({ROWS[row]})", file=out)
+        print(
+            f"  {'':9} {'set MiB':>8} {'state':>6} | "
+            + " | ".join(f"{p + ' peak/after':>27}" for p in PHASES)
+            + f" | {'peak':>5} {'load s':>7} exact",
+            file=out,
+        )
+        for side in IMPLEMENTATIONS:
+            item = by_side.get(side)
+            if item is None:
+                print(f"  {side:9} not run", file=out)
+                continue
+            if item.get("skipped"):
+                print(f"  {side:9} skipped: {item['skipped'][:200]}", file=out)
+                continue
+            cells = []
+            for phase in PHASES:
+                peak, after = item[f"{phase}_peak"], item[f"{phase}_after"]
+                cells.append(
+                    f"{_cell(peak)}/{_cell(after)} sets "
+                    f"{_cell(item[f'{phase}_peak_mib'], 0)}/{_cell(item[f'{phase}_after_mib'], 0)}"
+                    if peak is not None or item[f"{phase}_peak_mib"] is None
+                    else f"{_cell(item[f'{phase}_peak_mib'], 0)}/"
+                    f"{_cell(item[f'{phase}_after_mib'], 0)} MiB"
+                )
+            print(
+                f"  {side:9} {item['state_set_mib']:8.0f} {_cell(item['state_sets']):>6} | "
+                + " | ".join(f"{c:>27}" for c in cells)
+                + f" | {_cell(item['peak']):>5} {_cell(item['load_s'], 3):>7} "
+                + ("yes" if item["exact"] else "NO"),
+                file=out,
+            )
+            if item.get("error"):
+                print(f"  {'':9} error: {item['error'][:300]}", file=out)
+
+
+def run(rows, shape, nproc, steps_before, steps_after, log_dir=None):
+    """Measure ``rows`` for both implementations; returns ``{row: {side: figures}}``."""
+    cases = [distopt_resume.Case.parse(ROWS[row]) for row in rows]
+    table = {row: {} for row in rows}
+    for side in IMPLEMENTATIONS:
+        results = distopt_resume.drive(
+            cases,
+            [(side, side)],
+            nproc,
+            steps_before,
+            steps_after,
+            side_by_side=False,
+            shape=shape,
+            log_dir=log_dir and str(Path(log_dir) / f"logs_{side}"),
+        )
+        for row, case in zip(rows, cases):
+            result = results.get(case.key(nproc, side, side), {"error": "no result"})
+            table[row][side] = (
+                {"skipped": result["skipped"]} if result.get("skipped") else figures(result)
+            )
+            table[row][side]["raw"] = result
+    return table
+
+
+def build_parser():
+    """The command line (``--help`` lists every option)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n", maxsplit=1)[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Exit status: 0 when every row ran for the fork, 1 otherwise, 2 without CUDA.",
+    )
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        choices=sorted(ROWS),
+        default=list(ROWS),
+        metavar="ROW",
+        help=f"rows to measure, from {', '.join(ROWS)}",
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=4096, help="probe model width (134M parameters by default)"
+    )
+    parser.add_argument("--ffn", type=int, default=8192, help="probe model inner width")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="data-parallel ranks")
+    parser.add_argument("--steps-before", type=int, default=2, help="steps before the save")
+    parser.add_argument("--steps-after", type=int, default=2, help="steps after the resume")
+    parser.add_argument("--out", help="write the figures (and each raw result) as JSON here")
+    parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")
+    return parser
+
+
+def main(argv=None):
+    """Measure, print the table, write the JSON."""
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("load_memory: needs a CUDA device (DDP buffers and GPU memory); nothing measured")
+        return 2
+    shape = distopt_resume.Shape(args.hidden, args.ffn)
+    print(
+        f"model: {shape.numel / 1e6:.1f}M parameters (hidden {args.hidden}, ffn {args.ffn}), "
+        f"world size {args.nproc_per_node}, {torch.cuda.get_device_name()}",
+        flush=True,
+    )
+    table = run(
+        args.rows, shape, args.nproc_per_node, args.steps_before, args.steps_after, args.log_dir
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(table, indent=1, default=str), encoding="utf-8")
+    report(table)
+    ran = all(
+        "raw" in by_side.get("fork", {}) and not by_side["fork"].get("error")
+        for by_side in table.values()
+    )
+    return 0 if ran else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
