@@ -16,6 +16,8 @@
 #   resume-w2    the same on two GPUs, fork->fork and upstream->fork
 #   resume-te    the TE FusedAdam and precision-aware cases, on the visible GPUs
 #   bench        HDO step time against its floor, overlap on and off (benchmarks/hdo_step.py)
+#   load-memory  GPU memory and time of each load phase, upstream beside the fork
+#                (benchmarks/load_memory.py; its TE rows need Transformer Engine)
 #   main         the README's main job (tools/resume_check.py)
 #
 # Settings (environment): PYTHON (default python3), OUT_DIR, TIMEOUT (seconds per check,
@@ -72,6 +74,12 @@ for check in "$@"; do
                 >"$OUT_DIR/bench.txt" 2>&1
             echo "== bench (exit $?)"
             grep -v Warn "$OUT_DIR/bench.txt" | tail -14
+            ;;
+        load-memory)
+            timeout "$TIMEOUT" "$PYTHON" benchmarks/load_memory.py --out "$OUT_DIR/load_memory.json" \
+                >"$OUT_DIR/load_memory.txt" 2>&1
+            echo "== load-memory (exit $?)"
+            grep -v Warn "$OUT_DIR/load_memory.txt" | tail -60
             ;;
         main)
             timeout "$TIMEOUT" "$PYTHON" tools/resume_check.py --out "$OUT_DIR/main" \

@@ -786,6 +786,21 @@ def _two_rank_worker(rank, store, tmp, queue):
         else:
             raise AssertionError("the faulty file was accepted")
         assert_holds_truth(target, 31)
+
+        # Each rank plans its own share of a dp_reshardable state; rank 1's alone is faulty.
+        # No rank may write its share: both raise, rank 0 naming rank 1.
+        share = fill(ForkHost(LAYOUT, pg), seed=32, step=4).get_parameter_state_dp_reshardable()
+        share = copy.deepcopy(share)
+        if rank == 1:
+            del share[1][(FP32, FP32)][0][0]["exp_avg_sq"]
+        try:
+            target.load_parameter_state_from_dp_reshardable(share)
+        except (KeyError, RuntimeError) as error:
+            expected = "exp_avg_sq" if rank == 1 else "data-parallel rank 1 refused"
+            assert expected in str(error), str(error)
+        else:
+            raise AssertionError("a share one rank refused was loaded")
+        assert_holds_truth(target, 31)
         dist.destroy_process_group()
         queue.put((rank, None))
     except BaseException as error:  # pylint: disable=broad-exception-caught

@@ -694,19 +694,24 @@ class DistributedOptimizer(
             return
 
         # Plan: the parameter state, the groups and the step counters are checked before
-        # anything changes.
+        # anything changes, and every data-parallel rank agrees that its share can load.
         try:
-            write_param_state = self._plan_param_state_load(state_dict)
-            saved_groups = state_dict["optimizer"]["param_groups"]
-            inner_groups = self.inner_state.saved_param_groups()
-            groups = self._pair_saved_param_groups(saved_groups, inner_groups)
-            steps = {group["step"] for group in groups if group.get("step") is not None}
-            for step in steps:
-                checks.step_value(step, "the checkpoint's param groups")
-            if len(steps) > 1 and self.inner_state.counts_steps_per_param():
-                raise ValueError(
-                    f"the checkpoint's param groups disagree on the step: {sorted(steps)}"
-                )
+            problem = None
+            try:
+                write_param_state = self._plan_param_state_load(state_dict)
+                saved_groups = state_dict["optimizer"]["param_groups"]
+                inner_groups = self.inner_state.saved_param_groups()
+                groups = self._pair_saved_param_groups(saved_groups, inner_groups)
+                steps = {group["step"] for group in groups if group.get("step") is not None}
+                for step in steps:
+                    checks.step_value(step, "the checkpoint's param groups")
+                if len(steps) > 1 and self.inner_state.counts_steps_per_param():
+                    raise ValueError(
+                        f"the checkpoint's param groups disagree on the step: {sorted(steps)}"
+                    )
+            except Exception as error:  # pylint: disable=broad-exception-caught
+                problem = error
+            self._agree_on_plan(problem)
         except Exception:
             if self._load_request_outstanding:
                 # A dist-checkpoint read already wrote into the state it handed out.

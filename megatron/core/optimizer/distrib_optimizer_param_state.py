@@ -79,6 +79,36 @@ def _raise_on_every_rank(
         raise problem
 
 
+def _raise_if_any_rank_fails(
+    problem: Optional[BaseException], group: torch.distributed.ProcessGroup, device: torch.device
+) -> None:
+    """Raise on every rank of ``group`` when any rank's plan failed.
+
+    Each rank checks the pieces it owns, so a fault in one rank's share of a checkpoint is
+    seen there alone; without this the other ranks would write their shares and train on,
+    and the next collective would hang or mix loaded and unloaded shards. A rank that failed
+    raises its own error; the others name the first failing rank and its error.
+    """
+    if group.size() > 1:
+        verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
+        verdicts = [None] * group.size()
+        gather = torch.distributed.all_gather_object
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                gather(verdicts, verdict, group=group)
+        else:
+            gather(verdicts, verdict, group=group)
+        failed = [(rank, text) for rank, text in enumerate(verdicts) if text is not None]
+        if problem is None and failed:
+            rank, text = failed[0]
+            raise RuntimeError(
+                f"data-parallel rank {rank} refused its share of the checkpoint, so no rank "
+                f"loads it ({len(failed)} of {group.size()} ranks failed): {text}"
+            )
+    if problem is not None:
+        raise problem
+
+
 def _naming_the_file(error: Exception, filename) -> Exception:
     """``error`` from reading ``filename``, of the same type where it can be, with a message
     that names the file and what it should have been."""
@@ -162,9 +192,19 @@ class PlannedParamStateLoadMixin:
         """Raise, writing nothing, if ``tensors`` cannot be written for ``model_param`` (the
         host class checks what its inner optimizer takes; nothing is checked here)."""
 
+    def _agree_on_plan(self, problem: Optional[BaseException]) -> None:
+        """Raise ``problem`` here and a failure on every other data-parallel rank if any rank
+        failed to plan (outside ``torch.distributed`` only ``problem`` is raised)."""
+        group = getattr(self, "data_parallel_group", None)
+        if isinstance(group, torch.distributed.ProcessGroup) and torch.distributed.is_initialized():
+            _raise_if_any_rank_fails(problem, *self._param_state_group())
+        elif problem is not None:
+            raise problem
+
     def _load_planned(self, what: str, state_dict, plan: Callable) -> None:
-        """Plan a parameter-state load, then write it; a failure in the writes leaves the
-        optimizer marked (``state_load_checks.LoadGuard``).
+        """Plan a parameter-state load (every data-parallel rank agreeing that its share can
+        load), then write it; a failure in the writes leaves the optimizer marked
+        (``state_load_checks.LoadGuard``).
 
         ``load_state_dict`` plans before it changes anything and hands its plan over in
         ``_planned_param_state``; it is used when it was made for this very ``state_dict``.
@@ -173,7 +213,12 @@ class PlannedParamStateLoadMixin:
         if planned is not None and planned[0] is state_dict:
             write = planned[1]
         else:
-            write = plan(state_dict)
+            problem = write = None
+            try:
+                write = plan(state_dict)
+            except Exception as error:  # pylint: disable=broad-exception-caught
+                problem = error
+            self._agree_on_plan(problem)
         with self._load_guard.writing(what):
             write()
 
