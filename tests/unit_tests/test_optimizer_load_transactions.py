@@ -513,3 +513,48 @@ def test_a_refused_checkpoint_after_a_dist_checkpoint_read_marks_the_state():
         optimizer.load_state_dict(state_dict)
     with pytest.raises(RuntimeError, match="then load_state_dict refused the checkpoint"):
         optimizer.state_dict()
+
+
+def test_every_format_is_one_registry_entry_naming_methods_of_upstreams_class():
+    """The registry is the only dispatch: each format names methods both implementations
+    have (the public builders and loaders are upstream's), and it loads what upstream's
+    load_state_dict loads."""
+    formats = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_formats")
+    upstream = core.UPSTREAM.DistributedOptimizer
+    for name, fmt in formats.FORMATS.items():
+        assert fmt.name == name and formats.format_named(name) is fmt
+        for method in (fmt.builder, fmt.loader):
+            if method is not None:
+                assert callable(getattr(upstream, method)) and callable(
+                    getattr(core.fork.DistributedOptimizer, method)
+                ), method
+        if fmt.loadable:
+            assert callable(getattr(core.fork.DistributedOptimizer, fmt.planner))
+    loadable = {name for name, fmt in formats.FORMATS.items() if fmt.loadable}
+    assert loadable == {
+        "dp_zero_gather_scatter",
+        "fully_reshardable",
+        "dp_reshardable",
+        "fully_sharded_model_space",
+    }
+    assert formats.LAYOUT_FREE_FORMATS == upstream.checkpoint_fully_reshardable_formats
+    with pytest.raises(NotImplementedError, match="Unknown sharding_type: fully_sharded_bucket"):
+        formats.format_named("fully_sharded_bucket_space")
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+def test_load_state_dict_writes_through_the_loader_a_client_wrapped():
+    """Clients wrap the public loaders (to log, time or patch them): the load goes through the
+    wrapper on the instance, with the plan made before anything changed."""
+    _, _, state_dict = saved_distopt("torch_adamw")
+    _, optimizer = build_distopt("torch_adamw", seed=5)
+    calls = []
+    original = optimizer.load_parameter_state_from_dp_reshardable
+
+    def wrapper(param_state):
+        calls.append(param_state)
+        return original(param_state)
+
+    optimizer.load_parameter_state_from_dp_reshardable = wrapper
+    optimizer.load_state_dict(state_dict)
+    assert calls == [state_dict["param_state"]]

@@ -44,6 +44,7 @@ from megatron.core.optimizer import distrib_optimizer_ranges as ranges
 from megatron.core.optimizer import fork_info, fused_adam_state_load, inner_optimizer_state
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from megatron.core.optimizer.distrib_optimizer_formats import format_named
 from megatron.core.optimizer.distrib_optimizer_param_state import (
     DistributedOptimizerParameterStateMixin,
 )
@@ -111,13 +112,6 @@ HAVE_APEX_OR_TE = USING_TE_OPTIMIZER or USING_APEX_OPTIMIZER
 # strings, which also pins parameters to CUDA; the same test is kept.
 _FLOAT16_TYPE_NAMES = ("torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor")
 _FLOAT32_TYPE_NAME = "torch.cuda.FloatTensor"
-
-_SHARDING_TYPE_LOADERS = {
-    "dp_zero_gather_scatter": "load_parameter_state_from_dp_zero",
-    "fully_reshardable": "load_parameter_state_from_fully_reshardable",
-    "dp_reshardable": "load_parameter_state_from_dp_reshardable",
-    "fully_sharded_model_space": "load_parameter_state_from_fs_model_space",
-}
 
 
 def _is_float16_param(param: torch.Tensor) -> bool:
@@ -737,7 +731,7 @@ class DistributedOptimizer(
                 # plan made above instead of checking the state again.
                 self._planned_param_state = (state_dict["param_state"], write_param_state)
                 try:
-                    getattr(self, _SHARDING_TYPE_LOADERS[sharding_type])(state_dict["param_state"])
+                    format_named(sharding_type).load(self, state_dict["param_state"])
                 finally:
                     self._planned_param_state = None
         if scaffolds and write_param_state is None:

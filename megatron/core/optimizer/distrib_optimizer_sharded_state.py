@@ -54,36 +54,21 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.optimizer import KEEP_VARS_HINT
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.optimizer.distrib_optimizer_formats import (
+    DEFAULT_SHARDING_TYPE,
+    FORMATS,
+    FSDP_DTENSOR,
+    LAYOUT_FREE_FORMATS,
+    format_named,
+)
 from megatron.core.optimizer.distrib_optimizer_param_state import PlannedParamStateLoadMixin
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from megatron.core.utils import log_single_rank
 
 logger = logging.getLogger(__name__)
 
-DP_RESHARDABLE = 'dp_reshardable'
-DP_ZERO_GATHER_SCATTER = 'dp_zero_gather_scatter'
-FULLY_RESHARDABLE = 'fully_reshardable'
-FULLY_SHARDED_MODEL_SPACE = 'fully_sharded_model_space'
-FSDP_DTENSOR = 'fsdp_dtensor'
-
-DEFAULT_SHARDING_TYPE = FULLY_SHARDED_MODEL_SPACE
-"""Format used when the metadata names none."""
-
-LOADABLE_SHARDING_TYPES = (
-    DP_ZERO_GATHER_SCATTER,
-    FULLY_RESHARDABLE,
-    DP_RESHARDABLE,
-    FULLY_SHARDED_MODEL_SPACE,
-)
+LOADABLE_SHARDING_TYPES = tuple(name for name, fmt in FORMATS.items() if fmt.loadable)
 """Values of ``param_state_sharding_type`` that ``load_state_dict`` accepts."""
-
-# Each loadable format's planner: checks its ``param_state`` and returns what writes it.
-_PARAM_STATE_PLANNERS = {
-    DP_ZERO_GATHER_SCATTER: '_plan_dp_zero_gather_scatter_param_state',
-    FULLY_RESHARDABLE: '_plan_fully_reshardable_param_state',
-    DP_RESHARDABLE: '_plan_dp_reshardable_param_state',
-    FULLY_SHARDED_MODEL_SPACE: '_plan_fs_model_space_param_state',
-}
 
 STATE_KEY_PREFIX = 'optimizer.state'
 MEM_EFFICIENT_FLAG = 'distrib_optim_fully_reshardable_mem_efficient'
@@ -217,11 +202,7 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
 
     # Formats whose common state does not depend on the optimizer's internal buffer layout, so
     # it is saved as plain values rather than per-data-parallel-group objects.
-    checkpoint_fully_reshardable_formats: set[str] = {
-        FULLY_RESHARDABLE,
-        FULLY_SHARDED_MODEL_SPACE,
-        FSDP_DTENSOR,
-    }
+    checkpoint_fully_reshardable_formats: set[str] = set(LAYOUT_FREE_FORMATS)
 
     # ------------------------------------------------------------------------------------
     # Helpers
@@ -263,15 +244,6 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             for bucket_range_maps in gbuf_range_map.values():
                 for bucket_range_map in bucket_range_maps:
                     yield from bucket_range_map["param_map"].items()
-
-    def _param_state_builder(self, sharding_type: str):
-        """The method building the param state of ``sharding_type``, or None if unknown."""
-        return {
-            DP_RESHARDABLE: self.sharded_param_state_dp_reshardable,
-            DP_ZERO_GATHER_SCATTER: self.sharded_param_state_dp_zero,
-            FULLY_RESHARDABLE: self.sharded_param_state_fully_reshardable,
-            FULLY_SHARDED_MODEL_SPACE: self.sharded_param_state_fs_model_space,
-        }.get(sharding_type)
 
     # ------------------------------------------------------------------------------------
     # Entry point
@@ -325,12 +297,7 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             )
         if sharding_type == FSDP_DTENSOR:
             return self.sharded_param_state_fsdp_dtensor(is_loading)
-
-        build_param_state = self._param_state_builder(sharding_type)
-        if build_param_state is None:
-            # 0.19.2 still recognised 'fully_sharded_bucket_space' by name but could not build
-            # it either; it fails here like any unknown name.
-            raise NotImplementedError(f'Unknown sharding_type: {sharding_type}')
+        fmt = format_named(sharding_type)
 
         if is_loading:
             # The load writes into the optimizer's own tensors, which must exist by then.
@@ -341,7 +308,7 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             common_state = self._common_state_dict()
         else:
             common_state = self.state_dict()
-        if sharding_type not in self.checkpoint_fully_reshardable_formats:
+        if not fmt.layout_free:
             # This state is tied to the data-parallel group's buffer layout.
             replica_id = (
                 self.distributed_optimizer_instance_id,
@@ -355,8 +322,8 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
                 for key, value in common_state.items()
             }
 
-        param_state = build_param_state(model_sharded_state_dict, is_loading, metadata)
-        if sharding_type in (DP_ZERO_GATHER_SCATTER, FULLY_RESHARDABLE):
+        param_state = fmt.describe(self, model_sharded_state_dict, is_loading, metadata)
+        if fmt.gathers:
             # The gathers leave large temporaries behind, and training may run with GC off.
             gc.collect()
 
@@ -399,11 +366,8 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             )
         if not has_state:
             return None
-        sharding_type = state_dict['param_state_sharding_type']
-        if sharding_type not in LOADABLE_SHARDING_TYPES:
-            raise NotImplementedError(f'Unknown sharding_type: {sharding_type}')
-        planner = getattr(self, _PARAM_STATE_PLANNERS[sharding_type])
-        return planner(state_dict['param_state'])
+        fmt = format_named(state_dict['param_state_sharding_type'])
+        return fmt.plan(self, state_dict['param_state'])
 
     def _plan_fully_reshardable_param_state(self, state_dict) -> Callable[[], None]:
         """Check a fully_reshardable state; return what writes it."""
