@@ -10,6 +10,15 @@ as a ratio to that floor. Both implementations run the configuration Megatron bu
 ``optimizer_cpu_offload`` (bf16 parameters, fp32 master copies, torch AdamW with
 ``fused=True``), and their parameters after the timed steps are compared bit for bit.
 
+Cases (``--case``) are the parameter lists a DistributedOptimizer hands its HDO (see
+``hdo_cases``): ``dense32`` (536M in 32 equal tensors, or ``--numel`` / ``--tensors``),
+``gpt`` (757M: embedding, 24 layers of QKV, projection, two MLP matrices, biases and
+LayerNorms), ``moe`` (657M in 3,291 tensors, 64 experts per layer) and ``stress`` (4,096 x
+65,536). Besides the serial floor (the sum of the three) the overlap limit is reported: the
+longest of the three, which a pipeline that overlaps them approaches. Only ``step()`` is
+timed; what the benchmark itself does between steps (handing out gradients) is timed apart
+and reported as ``outside s``.
+
 Without CUDA there is nothing to offload to: the figures are then host-only and labelled so.
 """
 
@@ -24,6 +33,7 @@ import sys
 import time
 
 import torch
+from hdo_cases import CASES, case_numels
 
 from megatron_optimizer_fork import load_upstream_module
 from megatron_optimizer_fork.memory import pinned_bytes_held, pinned_bytes_in_use
@@ -49,24 +59,44 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, device, repeats, warmup=1):
-    """Median wall time of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
+def timed(fn, device, repeats, warmup=1, before=None):
+    """Wall times of ``fn`` over ``repeats`` runs after ``warmup`` runs, and of ``before``.
+
+    ``before`` (the benchmark's own work, such as handing out gradients) runs ahead of each
+    call and is timed on its own, outside the time of ``fn``.
+
+    Returns:
+        ``{"median", "min", "max"}`` of ``fn`` and ``"outside"``, the median of ``before``.
+    """
+    outside = []
+    for index in range(warmup + repeats):
+        if before is not None:
+            sync(device)
+            start = time.perf_counter()
+            before()
+            sync(device)
+            outside.append(time.perf_counter() - start)
+        if index < warmup:
+            fn()
+            continue
+        if index == warmup:
+            times = []
+        sync(device)
         start = time.perf_counter()
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return {
+        "median": statistics.median(times),
+        "min": min(times),
+        "max": max(times),
+        "outside": statistics.median(outside) if outside else 0.0,
+    }
 
 
 def sizes(args):
-    """Element counts of the model's tensors (all equal, as in the reported run)."""
-    per_tensor = int(args.numel) // args.tensors
-    return [per_tensor] * args.tensors
+    """Element counts of the shards rank 0's HDO steps in ``args.case``."""
+    return case_numels(args.case, args.dp, args.scale, numel=args.numel, tensors=args.tensors)
 
 
 def offloaded_sizes(args, fraction):
@@ -80,7 +110,12 @@ def offloaded_sizes(args, fraction):
 
 
 def measure_floor(args, device, fraction):
-    """Host AdamW time and pinned copy times for the offloaded tensors, measured now."""
+    """Host AdamW time and pinned copy times for the offloaded tensors, measured now.
+
+    AdamW steps the same tensors the HDO offloads (its cost per tensor is part of the
+    floor); the copies move their bytes, in bf16, as one pinned block each way (the bus's
+    limit, whatever the number of tensors).
+    """
     chosen = offloaded_sizes(args, fraction)
     if not chosen:
         return {"adam": 0.0, "d2h": 0.0, "h2d": 0.0}
@@ -88,26 +123,21 @@ def measure_floor(args, device, fraction):
     for p in params:
         p.grad = torch.randn(p.numel()).mul_(1e-3)
     adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
-    adam_time = timed(adam.step, "cpu", args.repeats)
+    adam_time = timed(adam.step, "cpu", args.repeats)["median"]
     del adam, params
     gc.collect()
     if device != "cuda":
         return {"adam": adam_time, "d2h": 0.0, "h2d": 0.0}
-    dtype = torch.bfloat16
-    gpu = [torch.randn(n, device="cuda").to(dtype) for n in chosen]
-    host = [torch.empty(n, dtype=dtype, pin_memory=True) for n in chosen]
-
-    def down():
-        for h, g in zip(host, gpu):
-            h.copy_(g, non_blocking=True)
-
-    def up():
-        for h, g in zip(host, gpu):
-            g.copy_(h, non_blocking=True)
-
-    result = {"adam": adam_time, "d2h": timed(down, device, args.repeats)}
-    result["h2d"] = timed(up, device, args.repeats)
     nbytes = sum(chosen) * 2
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    result = {"adam": adam_time}
+    result["d2h"] = timed(lambda: host.copy_(gpu, non_blocking=True), device, args.repeats)[
+        "median"
+    ]
+    result["h2d"] = timed(lambda: gpu.copy_(host, non_blocking=True), device, args.repeats)[
+        "median"
+    ]
     result["d2h_gbps"] = nbytes / result["d2h"] / 1e9
     result["h2d_gbps"] = nbytes / result["h2d"] / 1e9
     del gpu, host
@@ -141,17 +171,19 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         fused=True,
     )
 
-    def step():
+    def hand_out_grads():
         for p, g in zip(params, grads):
             p.grad = g
-        optimizer.step()
 
-    seconds = timed(step, device, args.repeats, warmup=args.warmup)
+    times = timed(optimizer.step, device, args.repeats, args.warmup, before=hand_out_grads)
     digest = hashlib.sha256()
     for param in params:
         digest.update(param.detach().cpu().view(torch.int16).numpy().tobytes())
     result = {
-        "step": seconds,
+        "step": times["median"],
+        "step_min": times["min"],
+        "step_max": times["max"],
+        "outside": times["outside"],
         "pinned_held": pinned_bytes_held(),
         "pinned_live": pinned_bytes_in_use(),
         "digest": digest.hexdigest(),
@@ -171,6 +203,12 @@ def run_worker(args, name, fraction, overlap):
         os.path.abspath(__file__),
         "--worker",
         json.dumps([name, fraction, overlap]),
+        "--case",
+        args.case,
+        "--dp",
+        str(args.dp),
+        "--scale",
+        str(args.scale),
         "--numel",
         str(args.numel),
         "--tensors",
@@ -186,14 +224,38 @@ def run_worker(args, name, fraction, overlap):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main():
-    """Measure the floor and both implementations for each fraction; print and save a table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=float, default=536e6)
-    parser.add_argument("--tensors", type=int, default=32)
-    parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 1.0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=3)
+def parse_args():
+    """The command line; every option says what it does and shows its default."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Outputs: a table on stdout (one row per case, fraction, overlap and "
+        "implementation, printed as it is measured) and OUT/hdo_step_<device>.json, rewritten "
+        "after every row. Exit code 0, or 1 if a worker failed.",
+    )
+    parser.add_argument(
+        "--case",
+        nargs="+",
+        choices=sorted(CASES),
+        default=["dense32"],
+        help="parameter lists to run (see hdo_cases.py)",
+    )
+    parser.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="data-parallel size the shards are cut for (rank 0's are stepped)",
+    )
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply every shard's size (smoke runs)"
+    )
+    parser.add_argument("--numel", type=float, default=536e6, help="dense32: total elements")
+    parser.add_argument("--tensors", type=int, default=32, help="dense32: number of tensors")
+    parser.add_argument(
+        "--fractions", type=float, nargs="+", default=[0.5, 1.0], help="offload fractions"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument(
         "--overlap",
         choices=["on", "off", "both"],
@@ -202,76 +264,107 @@ def main():
         "offload guide enables (--overlap-cpu-optimizer-d2h-h2d); off is OptimizerConfig's "
         "default",
     )
-    parser.add_argument("--skip-upstream", action="store_true")
-    parser.add_argument("--out", default="results")
+    parser.add_argument("--skip-upstream", action="store_true", help="time the fork alone")
+    parser.add_argument("--out", default="results", help="folder of the JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+COLUMNS = [
+    ("case", 7, lambda r: r["case"]),
+    ("fraction", 8, lambda r: f"{r['fraction']}"),
+    ("overlap", 7, lambda r: str(r["overlap"])),
+    ("implementation", 16, lambda r: r["implementation"]),
+    ("step s", 7, lambda r: f"{r['step_s']:.3f}"),
+    ("min-max s", 11, lambda r: f"{r['step_min_s']:.3f}-{r['step_max_s']:.3f}"),
+    ("floor s", 7, lambda r: f"{r['floor_s']:.3f}"),
+    ("limit s", 7, lambda r: f"{r['limit_s']:.3f}"),
+    ("/floor", 6, lambda r: f"{r['ratio']:.2f}"),
+    ("/limit", 6, lambda r: f"{r['ratio_limit']:.2f}"),
+    ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
+    ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
+    ("adam s", 6, lambda r: f"{r['floor']['adam']:.3f}"),
+    ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
+    ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
+    ("outside s", 9, lambda r: f"{r['outside_s']:.3f}"),
+    ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
+]
+
+
+def row_of(case, fraction, overlap, name, result, floor, exact):
+    """One table row: the step against both bounds, pinned memory, the benchmark's own time."""
+    serial = floor["adam"] + floor["d2h"] + floor["h2d"]
+    limit = max(floor["adam"], floor["d2h"], floor["h2d"])
+    return {
+        "case": case,
+        "fraction": fraction,
+        "overlap": overlap,
+        "implementation": name,
+        "step_s": result["step"],
+        "step_min_s": result["step_min"],
+        "step_max_s": result["step_max"],
+        "outside_s": result["outside"],
+        "floor_s": serial,
+        "limit_s": limit,
+        "ratio": result["step"] / serial if serial else float("nan"),
+        "ratio_limit": result["step"] / limit if limit else float("nan"),
+        "pinned_held_mib": result["pinned_held"] / 2**20,
+        "pinned_live_mib": result["pinned_live"] / 2**20,
+        "floor": floor,
+        "params_equal_across_implementations": exact,
+    }
+
+
+def main():
+    """Measure the floor and both implementations per case and fraction; print, save."""
+    args = parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.worker:
+        args.case = args.case[0]
         name, fraction, overlap = json.loads(args.worker)
         print(json.dumps(time_hdo(IMPLEMENTATIONS[name](), args, device, fraction, overlap)))
         return
     label = torch.cuda.get_device_name() if device == "cuda" else "CPU only (host figures)"
     print(
-        f"HDO step benchmark on {label}; {args.numel / 1e6:.0f}M bf16 params in {args.tensors} "
-        f"tensors; torch {torch.__version__}; host threads {torch.get_num_threads()} "
-        f"(of {os.cpu_count()} cores)"
+        f"HDO step benchmark on {label}; torch {torch.__version__}; host threads "
+        f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}"
     )
     implementations = ["fork"]
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
-    columns = [
-        ("fraction", 8, lambda r: f"{r['fraction']}"),
-        ("overlap", 7, lambda r: str(r["overlap"])),
-        ("implementation", 16, lambda r: r["implementation"]),
-        ("step s", 8, lambda r: f"{r['step_s']:.3f}"),
-        ("floor s", 8, lambda r: f"{r['floor_s']:.3f}"),
-        ("ratio", 6, lambda r: f"{r['ratio']:.2f}"),
-        ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
-        ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
-        ("adam s", 7, lambda r: f"{r['floor']['adam']:.3f}"),
-        ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
-        ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
-        ("d2h GB/s", 8, lambda r: f"{r['floor'].get('d2h_gbps', 0):.1f}"),
-        ("h2d GB/s", 8, lambda r: f"{r['floor'].get('h2d_gbps', 0):.1f}"),
-        ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
-    ]
-    print("\n" + " ".join(f"{name:>{width}}" for name, width, _ in columns), flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"hdo_step_{device}.json")
-    rows = []
-    for fraction in args.fractions:
-        floor = measure_floor(args, device, fraction)
-        floor_total = floor["adam"] + floor["d2h"] + floor["h2d"]
-        for overlap in overlaps:
-            results = {name: run_worker(args, name, fraction, overlap) for name in implementations}
-            exact = len({result["digest"] for result in results.values()}) == 1
-            for name, result in results.items():
-                rows.append(
-                    {
-                        "fraction": fraction,
-                        "overlap": overlap,
-                        "implementation": name,
-                        "step_s": result["step"],
-                        "floor_s": floor_total,
-                        "ratio": result["step"] / floor_total if floor_total else float("nan"),
-                        "pinned_held_mib": result["pinned_held"] / 2**20,
-                        "pinned_live_mib": result["pinned_live"] / 2**20,
-                        "floor": floor,
-                        "params_equal_across_implementations": exact,
-                    }
-                )
-                # Each row as soon as it is known, so a run cut short keeps what it measured.
-                print(" ".join(f"{cell(rows[-1]):>{width}}" for _, width, cell in columns))
-            sys.stdout.flush()
-            with open(path, "w", encoding="utf-8") as out:
-                json.dump({"device": label, "args": vars(args), "rows": rows}, out, indent=1)
+    rows, cases = [], list(args.case)
+    for case in cases:
+        args.case = case
+        numels = sizes(args)
+        print(
+            f"\n{case}: {sum(numels) / 1e6:.0f}M bf16 params in {len(numels)} tensors "
+            f"({min(numels)}-{max(numels)} elements)"
+        )
+        print(" ".join(f"{name:>{width}}" for name, width, _ in COLUMNS), flush=True)
+        for fraction in args.fractions:
+            floor = measure_floor(args, device, fraction)
+            for overlap in overlaps:
+                results = {n: run_worker(args, n, fraction, overlap) for n in implementations}
+                exact = len({result["digest"] for result in results.values()}) == 1
+                for name, result in results.items():
+                    rows.append(row_of(case, fraction, overlap, name, result, floor, exact))
+                    # Each row as soon as it is known, so a run cut short keeps what it has.
+                    print(" ".join(f"{cell(rows[-1]):>{width}}" for _, width, cell in COLUMNS))
+                sys.stdout.flush()
+                with open(path, "w", encoding="utf-8") as out:
+                    summary = {**vars(args), "case": cases}
+                    json.dump({"device": label, "args": summary, "rows": rows}, out, indent=1)
     print(
-        "\nfloor = fused host AdamW + bf16 D2H + bf16 H2D for the offloaded tensors; pinned = "
-        "pinned host memory the process holds after the timed steps (one process per row, "
-        "allocator rounding and cache included); live = pinned storage its tensors use; "
-        f"equal = identical parameters (sha256) across implementations; {path}"
+        "\nfloor = fused host AdamW over the offloaded tensors + bf16 D2H + bf16 H2D of their "
+        "bytes (one pinned block each way); limit = the longest of the three; step = median "
+        "of step() alone (min-max over the repeats); outside = the benchmark's own work per "
+        "step (handing out gradients), not in step; pinned = pinned host memory the process "
+        "holds after the timed steps (one process per row, allocator cache included); live = "
+        "pinned storage its tensors use; equal = identical parameters (sha256) across "
+        f"implementations; {path}"
     )
 
 

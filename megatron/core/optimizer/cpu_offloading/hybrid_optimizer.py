@@ -5,9 +5,13 @@ The offloaded share of the parameters is stepped on host copies by ``cpu_optimiz
 sub-optimizer per bucket of parameters, so each can start as soon as its gradients have
 arrived; the rest is stepped where it lives by ``gpu_optimizer_cls``. Offloaded gradients land
 in a small ring of host staging slots, one bucket per slot at a time, and each stepped host
-copy is uploaded as it is (an fp32 master is narrowed on the device). Pinned host memory stays
-within what megatron-core 0.19.2 keeps pinned for the same parameters; host copies that do not
-fit stay pageable and go up through a slot that has no further use in the step.
+copy is uploaded as it is (an fp32 master is narrowed on the device). A bucket of several small
+parameters moves as one block each way: its host copies are views into one flat block, its
+gradients are gathered (and widened) into a device staging buffer laid out like its slot, so
+each direction costs one copy and one multi-tensor kernel, whatever the number of tensors.
+Pinned host memory stays within what megatron-core 0.19.2 keeps pinned for the same
+parameters; host copies that do not fit stay pageable and go up through a slot that has no
+further use in the step.
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -87,6 +91,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "_buckets",
         "_ring",
         "_ring_plan",
+        "_device_staging",
         "_entries",
         "_entries_by_inner",
     }
@@ -112,6 +117,11 @@ def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _typed_view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``raw`` from ``offset`` on, seen as a tensor of ``like``'s dtype and shape."""
+    return raw[offset : offset + _nbytes(like)].view(like.dtype).view(like.shape)
 
 
 def upstream_pinned_bytes(copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool) -> int:
@@ -185,6 +195,16 @@ class _Bucket:
         nbytes: bytes of a slot these gradients fill.
         slot: the ring slot they are staged in.
         follower: the bucket whose download reuses that slot once this one has stepped.
+        hosts: the host copies of ``grads``, in order.
+        params: their public parameters, in order.
+        packed: the copies move as one block each way (several of them, on one device).
+        views: the slot view each host copy has as its gradient (first step on).
+        master: the flat block the packed host copies are views into (first step on).
+        master_ptrs: where each packed host copy starts in ``master``, to notice one that a
+            client re-pointed (its ``.data`` replaced).
+        down: device views the gradients are gathered and widened into (packed, on CUDA).
+        up: device views the uploaded block lands in, narrowed from there (packed, on CUDA).
+        keep: indices of the copies that have a gradient in this step; None for all.
     """
 
     optimizer: torch.optim.Optimizer
@@ -192,6 +212,19 @@ class _Bucket:
     nbytes: int
     slot: int = 0
     follower: Optional[int] = None
+    hosts: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    params: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    packed: bool = False
+    views: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    master: Optional[torch.Tensor] = None
+    master_ptrs: List[int] = dataclasses.field(default_factory=list)
+    down: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    up: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    keep: Optional[List[int]] = None
+
+    def kept(self, items: List[Any]) -> List[Any]:
+        """The entries of ``items`` (one per copy) whose copy has a gradient this step."""
+        return items if self.keep is None else [items[i] for i in self.keep]
 
 
 @dataclasses.dataclass
@@ -203,6 +236,7 @@ class _RingPlan:
     pin_slots: bool
     first_downloads: List[int]
     masters_to_pin: List[torch.Tensor]
+    blocks_to_pin: List[int] = dataclasses.field(default_factory=list)
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -481,12 +515,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
         each download waits for the previous bucket's step. What is pinned (the slots, then
         the host copies in order) stays within what upstream keeps pinned for the same
-        parameters (see :func:`plan_pinned_host_memory`). The copies left pageable are the
-        last to upload; where their bucket's slot is free by then (no download follows), they
-        are staged through it (see ``_upload``).
+        parameters (see :func:`plan_pinned_host_memory`); a packed bucket's block is pinned
+        or not as a whole. The copies left pageable are the last to upload; where their
+        bucket's slot is free by then (no download follows), they are staged through it (see
+        ``_upload``).
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._buckets: List[_Bucket] = []
+        self._device_staging: List[torch.Tensor] = []
         staged = []
         for optimizer in self.cpu_optimizers:
             grads, end = [], 0
@@ -498,14 +534,27 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     end = offset + _nbytes(host)
             if grads:
                 staged.append(len(self._buckets))
-            self._buckets.append(_Bucket(optimizer, grads, end))
+            bucket = _Bucket(optimizer, grads, end)
+            bucket.hosts = [host for host, _, _ in grads]
+            bucket.params = [param for _, param, _ in grads]
+            bucket.packed = len(grads) > 1 and len({p.device for p in bucket.params}) == 1
+            self._buckets.append(bucket)
 
         copies = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
         pin_slots = self.pin_cpu_grads and bool(copies)
-        masters = [host for host, _ in copies] if self.pin_cpu_params else []
-        slots, pinned_masters = plan_pinned_host_memory(
+        # What may be pinned, in upload order: a packed bucket's block as a whole, other
+        # copies one by one.
+        units: List[Tuple[Any, int]] = []
+        if self.pin_cpu_params:
+            for index, bucket in enumerate(self._buckets):
+                on_cuda = [host for host, param, _ in bucket.grads if param.is_cuda]
+                if bucket.packed and on_cuda:
+                    units.append((index, bucket.nbytes))
+                else:
+                    units.extend((host, _nbytes(host)) for host in on_cuda)
+        slots, pinned = plan_pinned_host_memory(
             [self._buckets[i].nbytes for i in staged],
-            [_nbytes(host) for host in masters],
+            [nbytes for _, nbytes in units],
             upstream_pinned_bytes(copies, self.pin_cpu_grads),
             _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
             pin_slots,
@@ -515,18 +564,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if k + slots < len(staged):
                 self._buckets[index].follower = staged[k + slots]
         slot_bytes = max((self._buckets[i].nbytes for i in staged), default=0)
+        chosen = [unit for (unit, _), pin in zip(units, pinned) if pin]
         self._ring_plan = _RingPlan(
             slots,
             slot_bytes,
             pin_slots,
             staged[:slots],
-            [host for host, pin in zip(masters, pinned_masters) if pin],
+            [unit for unit in chosen if isinstance(unit, torch.Tensor)],
+            [unit for unit in chosen if not isinstance(unit, torch.Tensor)],
         )
         self._ring: List[torch.Tensor] = []
 
     @torch.no_grad()
     def _allocate_ring(self):
-        """On the first step: allocate the slots, view each gradient into its slot, pin copies."""
+        """On the first step: allocate the slots, view each gradient into its slot, pin copies,
+        gather each packed bucket's copies into one block, make the device staging buffers."""
         plan = self._ring_plan
         if self._ring or not plan.slots:
             return
@@ -536,11 +588,40 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ]
         for bucket in self._buckets:
             for host, _, offset in bucket.grads:
-                raw = self._ring[bucket.slot][offset : offset + _nbytes(host)]
-                self.cpu_copy_map_grad[host] = raw.view(host.dtype).view(host.shape)
+                self.cpu_copy_map_grad[host] = _typed_view(self._ring[bucket.slot], offset, host)
+            bucket.views = [self.cpu_copy_map_grad[host] for host in bucket.hosts]
+        pinned_blocks = set(plan.blocks_to_pin)
+        for index, bucket in enumerate(self._buckets):
+            if bucket.packed:
+                self._pack_masters(bucket, index in pinned_blocks)
         for host in plan.masters_to_pin:
             # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
             host.data = host.pin_memory()
+        on_cuda = [b for b in self._buckets if b.packed and b.params[0].is_cuda]
+        if on_cuda:
+            # Two buffers of the largest packed bucket: gradients gather in one (on the D2H
+            # stream), stepped blocks land in the other (on the H2D stream); each stream
+            # reuses its own buffer in order, so one of each serves every bucket.
+            nbytes, device = max(b.nbytes for b in on_cuda), on_cuda[0].params[0].device
+            self._device_staging = [
+                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)
+            ]
+            down, up = self._device_staging
+            for bucket in on_cuda:
+                bucket.down = [_typed_view(down, offset, host) for host, _, offset in bucket.grads]
+                bucket.up = [_typed_view(up, offset, host) for host, _, offset in bucket.grads]
+
+    @staticmethod
+    def _pack_masters(bucket: _Bucket, pin: bool):
+        """Make the bucket's host copies views into one flat block, laid out as its slot, so
+        that it uploads in one copy; their values and tensor objects stay."""
+        block = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=pin)
+        for host, _, offset in bucket.grads:
+            view = _typed_view(block, offset, host)
+            view.copy_(host)
+            host.data = view
+        bucket.master = block
+        bucket.master_ptrs = [host.data_ptr() for host in bucket.hosts]
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_numel: int = 0):
@@ -549,7 +630,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Each optimizer steps a run of consecutive parameters of one group holding at least
         ``bucket_numel`` elements (one parameter each with the default 0, as upstream builds
         them), so it can start as soon as its gradients have landed while small parameters
-        share one call.
+        share one call. A parameter of ``bucket_numel`` elements or more has an optimizer of
+        its own, so a run of small ones stays below twice that size (it is what a packed
+        bucket stages on the device).
 
         Args:
             cpu_optimizer_cls (Type[torch.optim.Optimizer]): the host optimizer class.
@@ -567,12 +650,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 params = [params]
             settings = {k: v for k, v in group.items() if k != "params"}
             bucket, numel = [], 0
-            for index, param in enumerate(params):
-                bucket.append(param)
-                numel += param.numel()
-                if numel >= bucket_numel or index == len(params) - 1:
+            for param in params:
+                if bucket and param.numel() >= bucket_numel:
                     optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
                     bucket, numel = [], 0
+                bucket.append(param)
+                numel += param.numel()
+                if numel >= bucket_numel:
+                    optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
+                    bucket, numel = [], 0
+            if bucket:
+                optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
         return optimizers
 
     @staticmethod
@@ -625,17 +713,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if event is not None:
                 event.synchronize()
             bucket.optimizer.step()
-            stepped = []
-            for host, param, _ in bucket.grads:
-                if host.grad is not None:
-                    stepped.append((host, param))
-                    host.grad = None  # the slot is about to hold another bucket's gradients
             if bucket.follower is not None:
                 self._download(bucket.follower)
-            self._upload(stepped, staged_in_slot=bucket.follower is None)
-        for param, clone in self._clones_in_place:
-            param.data.copy_(clone)
-            clone.grad = None  # the widened gradient is only needed for this step
+            self._upload(bucket, staged_in_slot=bucket.follower is None)
+        if self._clones_in_place:
+            params, clones = (list(t) for t in zip(*self._clones_in_place))
+            torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
+            for clone in clones:
+                clone.grad = None  # the widened gradient is only needed for this step
         for param in lent:
             param.grad = None
         if self._h2d_stream is not None:
@@ -659,9 +744,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Returns:
             The parameters that borrowed a gradient, to be cleared after the step.
         """
-        for param, clone in self._clones_in_place:
-            grad = _grad_of(param)
-            clone.grad = None if grad is None else grad.to(torch.float32)
+        if self._clones_in_place:
+            clones = [clone for _, clone in self._clones_in_place]
+            grads = [_grad_of(param) for param, _ in self._clones_in_place]
+            for clone, grad in zip(clones, _widened(grads)):
+                clone.grad = grad
         lent = []
         for param in self._stepped_as_is:
             decoupled = getattr(param, "decoupled_grad", None)
@@ -676,36 +763,73 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _download(self, index: int):
         """Queue the D2H of bucket ``index``'s gradients into its slot and note its event in
-        ``_cpu_optimizer_map_data_event`` (where CUDA exists)."""
+        ``_cpu_optimizer_map_data_event`` (where CUDA exists).
+
+        Each host copy keeps its slot view as its gradient, or None while its parameter has
+        none (its step is then skipped). A packed bucket's gradients are gathered and widened
+        into the device staging buffer and come down in one copy.
+        """
         bucket = self._buckets[index]
+        if bucket.master is not None and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
+            self._pack_masters(bucket, bucket.master.is_pinned())  # a copy was re-pointed
+        grads = [_grad_of(param) for param in bucket.params]
+        bucket.keep = None
+        if any(grad is None for grad in grads):
+            bucket.keep = [i for i, grad in enumerate(grads) if grad is not None]
+        for host, view, grad in zip(bucket.hosts, bucket.views, grads):
+            lent = None if grad is None else view
+            if host.grad is not lent:
+                host.grad = lent
+        grads = bucket.kept(grads)
         with _on_stream(self._d2h_stream):
-            for host, param, _ in bucket.grads:
-                grad = _grad_of(param)
-                if grad is None:
-                    host.grad = None
-                    continue
-                staged = self.cpu_copy_map_grad[host]
-                if grad.is_cuda and grad.dtype != staged.dtype:
-                    grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
-                staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
-                host.grad = staged
+            if bucket.down and grads:
+                torch._foreach_copy_(bucket.kept(bucket.down), grads)  # widens on the device
+                raw = self._device_staging[0][: bucket.nbytes]
+                self._ring[bucket.slot][: bucket.nbytes].copy_(
+                    raw, non_blocking=self._ring_plan.pin_slots
+                )
+            elif bucket.packed and grads:
+                torch._foreach_copy_(bucket.kept(bucket.views), grads)
+            else:
+                for staged, grad in zip(bucket.kept(bucket.views), grads):
+                    if grad.is_cuda and grad.dtype != staged.dtype:
+                        grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
+                    staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
             if self._d2h_stream is not None:
                 self._cpu_optimizer_map_data_event[bucket.optimizer] = (
                     self._d2h_stream.record_event()
                 )
 
-    def _upload(self, stepped: List[Tuple[torch.Tensor, torch.Tensor]], staged_in_slot: bool):
-        """Queue the H2D of the host copies just stepped into their parameters.
+    def _upload(self, bucket: _Bucket, staged_in_slot: bool):
+        """Queue the H2D of the bucket's host copies just stepped into their parameters.
+
+        A packed bucket goes up as one block into the device staging buffer and is narrowed
+        from there into its parameters by one multi-tensor copy.
 
         Args:
-            stepped: ``(host copy, parameter)`` pairs of one bucket.
+            bucket: the bucket just stepped (``keep`` says which copies were).
             staged_in_slot: the bucket's slot is free for the rest of the step (no download
                 follows it), so pageable copies go up through it.
         """
+        params = bucket.kept(bucket.params)
+        if not params:
+            return
+        stage = staged_in_slot and self._ring_plan.pin_slots
         with _on_stream(self._h2d_stream):
-            for host, param in stepped:
+            if bucket.master is not None:
+                source = bucket.master
+                if stage and not source.is_pinned():
+                    # See below: one host copy of the block into the free pinned slot.
+                    source = self._ring[bucket.slot][: bucket.nbytes].copy_(source)
+                if bucket.up:
+                    self._device_staging[1][: bucket.nbytes].copy_(source, non_blocking=True)
+                    torch._foreach_copy_(params, bucket.kept(bucket.up))  # narrows on the device
+                else:
+                    torch._foreach_copy_(params, bucket.kept(bucket.hosts))
+                return
+            for host, param in zip(bucket.kept(bucket.hosts), params):
                 source = host
-                if staged_in_slot and self._ring_plan.pin_slots and not host.is_pinned():
+                if stage and not host.is_pinned():
                     # An upload from pageable memory blocks the host until it is done, holding
                     # up the next host step; a host copy into the pinned slot (where this
                     # gradient was) is faster and lets the upload run behind it.
@@ -1034,6 +1158,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for optimizer in self.sub_optimizers:
             materialise_by_null_step(optimizer)
         self._sync_sub_optimizers_state_to_hdo()
+
+
+def _widened(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """fp32 copies of ``grads`` (None stays None): views into one buffer per device, filled by
+    one multi-tensor copy, instead of a cast and an allocation per tensor."""
+    present = [grad for grad in grads if grad is not None]
+    if not present or len({grad.device for grad in present}) != 1:
+        return [None if grad is None else grad.to(torch.float32) for grad in grads]
+    flat = torch.empty(
+        sum(g.numel() for g in present), dtype=torch.float32, device=present[0].device
+    )
+    views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in present]), present)]
+    torch._foreach_copy_(views, present)  # pylint: disable=protected-access
+    widened = iter(views)
+    return [None if grad is None else next(widened) for grad in grads]
 
 
 def _on_stream(stream):

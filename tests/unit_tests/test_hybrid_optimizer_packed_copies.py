@@ -1,0 +1,202 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""The HybridDeviceOptimizer's packed buckets step exactly as one copy per parameter would.
+
+A bucket of several small parameters moves as one block each way (its host copies are views
+into one flat block; on CUDA its gradients are gathered into a device staging buffer). Each
+test runs the packed optimizer beside the straightforward one (every parameter a bucket of
+its own, copied tensor by tensor) on the same inputs and compares parameters and state with
+``torch.equal``: a gradient or a parameter copied to the wrong place, a step skipped or taken
+twice, a stale block uploaded, any of them shows. On a host without CUDA the same code runs on
+host copies; with CUDA the copies cross the bus through pinned slots and side streams.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from test_optimizer_cpu_offloading import train_drawn
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The buckets and their blocks are the fork's design; upstream has neither to compare.
+pytestmark = pytest.mark.skipif(
+    not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), reason="the fork's buckets"
+)
+
+# Odd sizes and shapes, two dtypes in one bucket, a large parameter after small ones (it
+# closes the run before it and is a bucket of its own), groups with their own settings.
+LAYOUT = [
+    [((3,), torch.bfloat16), ((17, 5), torch.float32), ((1,), torch.bfloat16)],
+    [((129,), torch.bfloat16), ((7, 3), torch.float32), ((4096,), torch.bfloat16)],
+    [((2,), torch.bfloat16), ((64,), torch.bfloat16), ((33,), torch.float32)],
+]
+BUCKET_NUMEL = 256
+
+
+def has_grad(step, index):
+    """Some gradients missing: one parameter every other step, another only at first."""
+    return {1: step % 2 == 0, 7: step == 0}.get(index, True)
+
+
+def make_params(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(shape, generator=generator).to(DEVICE, dtype))
+        for group in LAYOUT
+        for shape, dtype in group
+    ]
+
+
+def make_optimizer(params, fraction, hdo_class=HybridDeviceOptimizer, **options):
+    sizes = [len(group) for group in LAYOUT]
+    groups = [
+        {"params": params[: sizes[0]]},
+        {"params": params[sizes[0] : sizes[0] + sizes[1]], "weight_decay": 0.1},
+        {"params": params[sizes[0] + sizes[1] :], "lr": 3e-3},
+    ]
+    fused = True if DEVICE == "cuda" else None
+    settings = dict(
+        offload_fraction=fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=torch.optim.AdamW,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=fused,
+    )
+    settings.update(options)
+    if settings["fused"] is None:
+        del settings["fused"]
+    return hdo_class(groups, **settings)
+
+
+def train(params, optimizer, steps, seed, between=None):
+    """``train_drawn`` with this file's gradient pattern; ``between(optimizer, step)`` runs
+    after every step."""
+    counter = itertools.count()
+    check = None if between is None else lambda opt: between(opt, next(counter))
+    train_drawn(params, optimizer, steps, seed, has_grad=has_grad, check=check)
+
+
+def run(fraction, bucket_numel, monkeypatch, steps=4, between=None, **options):
+    """Params and optimizer after ``steps`` steps with host buckets of ``bucket_numel``."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", bucket_numel)
+    params = make_params()
+    optimizer = make_optimizer(params, fraction, **options)
+    train(params, optimizer, steps, seed=7, between=between)
+    return params, optimizer
+
+
+def assert_same(actual, expected):
+    (params, optimizer), (reference_params, reference) = actual, expected
+    for index, (param, ref) in enumerate(zip(params, reference_params)):
+        assert torch.equal(param, ref), f"parameter {index}"
+        state, ref_state = optimizer.state[param], reference.state[ref]
+        assert sorted(state) == sorted(ref_state), f"parameter {index}"
+        for key, value in ref_state.items():
+            if torch.is_tensor(value):
+                assert torch.equal(state[key].cpu(), value.cpu()), f"parameter {index} {key}"
+
+
+def packed_buckets(optimizer):
+    """The packed buckets, each checked to be one block: every host copy a view into it."""
+    packed = [bucket for bucket in optimizer._buckets if bucket.packed]
+    for bucket in packed:
+        block = bucket.master.untyped_storage().data_ptr()
+        assert all(h.untyped_storage().data_ptr() == block for h in bucket.hosts)
+    return packed
+
+
+@pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32-masters", "as-is"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["ring", "one-slot"])
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_packed_buckets_step_as_one_copy_per_parameter(fraction, overlap, in_fp32, monkeypatch):
+    options = dict(param_update_in_fp32=in_fp32, overlap_cpu_optimizer_d2h_h2d=overlap)
+    packed = run(fraction, BUCKET_NUMEL, monkeypatch, **options)
+    assert len(packed_buckets(packed[1])) == (2 if fraction == 0.5 else 3)
+    one_each = run(fraction, 0, monkeypatch, **options)
+    assert not packed_buckets(one_each[1])
+    assert_same(packed, one_each)
+
+
+def test_a_host_copy_re_pointed_by_a_client_is_packed_again(monkeypatch):
+    """A client that replaces a host copy's ``.data`` between steps (keeping its values) must
+    not leave the packed upload sending the block's stale bytes."""
+
+    def re_point(optimizer, step):
+        if step == 1:
+            for bucket in packed_buckets(optimizer):
+                for host in bucket.hosts:
+                    host.data = host.detach().clone()
+
+    packed = run(1.0, BUCKET_NUMEL, monkeypatch, between=re_point)
+    assert packed_buckets(packed[1])  # the block was rebuilt around the copies
+    assert_same(packed, run(1.0, 0, monkeypatch))
+
+
+def test_host_copies_keep_their_objects_and_values_when_packed(monkeypatch):
+    """Packing happens on the first step and keeps every map's tensor objects; a copy's
+    master values written before it (a checkpoint load) are the ones that are stepped."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", BUCKET_NUMEL)
+    params = make_params()
+    optimizer = make_optimizer(params, 1.0, param_update_in_fp32=True)
+    hosts = dict(optimizer.gpu_params_map_cpu_copy)
+    assert not any(bucket.master is not None for bucket in optimizer._buckets)
+    train(params, optimizer, 1, seed=1)
+    assert all(optimizer.gpu_params_map_cpu_copy[p] is h for p, h in hosts.items())
+    assert all(optimizer.state[p]["master_param"] is h for p, h in hosts.items())
+    for param, host in hosts.items():
+        assert torch.equal(param.detach().cpu(), host.to(param.dtype))
+
+
+def test_widened_gradients_are_the_gradients_cast_one_by_one():
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=generator).to(DEVICE, torch.bfloat16) for s in (5, (3, 2))]
+    grads.insert(1, None)
+    widened = hybrid_optimizer._widened(grads)
+    assert widened[1] is None
+    for grad, wide in zip(grads, widened):
+        if grad is not None:
+            assert wide.dtype == torch.float32 and torch.equal(wide, grad.float())
+
+
+@requires_cuda
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_packed_buckets_match_upstream_bit_for_bit(fraction, monkeypatch):
+    """The same inputs through upstream 0.19.2's HDO (one optimizer per parameter)."""
+    overlay = pytest.importorskip("megatron_optimizer_fork")
+    upstream = overlay.load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer")
+    packed = run(fraction, BUCKET_NUMEL, monkeypatch, param_update_in_fp32=True)
+    assert packed_buckets(packed[1])
+    params = make_params()
+    reference = make_optimizer(
+        params, fraction, upstream.HybridDeviceOptimizer, param_update_in_fp32=True
+    )
+    train(params, reference, 4, seed=7)
+    for index, (param, ref) in enumerate(zip(packed[0], params)):
+        assert torch.equal(param, ref), f"parameter {index}"
+
+
+@requires_cuda
+def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
+    """Ring slots plus pinned blocks: no more pinned storage than upstream's gradient
+    buffers for the same parameters, and the blocks pinned first are the first to upload."""
+    memory = pytest.importorskip("megatron_optimizer_fork.memory")
+    memory.release_cached_pinned_memory()
+    before = memory.pinned_bytes_in_use()
+    params, optimizer = run(1.0, BUCKET_NUMEL, monkeypatch, steps=1, param_update_in_fp32=True)
+    used = memory.pinned_bytes_in_use() - before
+    budget = hybrid_optimizer.upstream_pinned_bytes(
+        [(h, p) for p, h in optimizer.gpu_params_map_cpu_copy.items()], True
+    )
+    assert 0 < used <= budget
+    pinned = [b.master.is_pinned() for b in optimizer._buckets if b.master is not None]
+    assert pinned == sorted(pinned, reverse=True)
+    del params, optimizer
