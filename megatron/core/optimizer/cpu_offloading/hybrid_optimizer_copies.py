@@ -1,0 +1,171 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""How the HybridDeviceOptimizer's offloaded copies travel: buckets, the gradient ring, pinning.
+
+Pure planning and layout helpers of :mod:`hybrid_optimizer`: what megatron-core 0.19.2 keeps
+pinned for the same parameters (the budget), how many gradient slots the ring gets and which
+host copies are pinned within that budget, the bucket record each host sub-optimizer's
+gradients and uploads are staged through, and the packing of a bucket of small host copies
+into one flat block so that each direction is one copy.
+"""
+
+import contextlib
+import dataclasses
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _typed_view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``raw`` from ``offset`` on, seen as a tensor of ``like``'s dtype and shape."""
+    return raw[offset : offset + _nbytes(like)].view(like.dtype).view(like.shape)
+
+
+def upstream_pinned_bytes(copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool) -> int:
+    """Pinned bytes megatron-core 0.19.2's HDO keeps for these offloaded parameters.
+
+    It keeps a gradient buffer in the host copy's dtype (pinned if ``pin_grads``) and pins
+    a copy of each parameter, which stays only when it is the host copy itself (no fp32
+    update); a widened copy replaces it with pageable fp32.
+
+    Args:
+        copies: ``(host copy, accelerator parameter)`` per offloaded parameter.
+        pin_grads: upstream's ``pin_cpu_grads``.
+    """
+    total = 0
+    for host, param in copies:
+        if pin_grads:
+            total += _nbytes(host)
+        if host.dtype == param.dtype:
+            total += _nbytes(param)
+    return total
+
+
+def plan_pinned_host_memory(
+    bucket_nbytes: List[int],
+    master_nbytes: List[int],
+    budget: int,
+    max_slots: int,
+    pin_slots: bool = True,
+) -> Tuple[int, List[bool]]:
+    """How many gradient slots the ring gets and which host copies are pinned.
+
+    The ring comes first, since every download needs a slot: up to ``max_slots`` slots of
+    the largest bucket, no more bytes than all buckets together, fewer if they would exceed
+    ``budget``, but at least one. Host copies are then pinned in order while the total stays
+    within ``budget``, so those left pageable are the last to upload, when nothing waits
+    behind them.
+
+    Args:
+        bucket_nbytes: bytes of each bucket's staged gradients (buckets with any).
+        master_nbytes: bytes of each host copy that may be pinned, in upload order.
+        budget: the most pinned bytes allowed (what upstream keeps pinned).
+        max_slots: ring slots wanted.
+        pin_slots: whether the slots are pinned (count against ``budget``).
+
+    Returns:
+        ``(slots, pinned)``: the slot count (0 without buckets) and a flag per host copy.
+    """
+    if not bucket_nbytes:
+        return 0, [False] * len(master_nbytes)
+    slot = max(bucket_nbytes)
+    # Never more staging than a gradient buffer per parameter (a dominant bucket: one slot).
+    slots = min(max_slots, len(bucket_nbytes), max(1, sum(bucket_nbytes) // slot))
+    while pin_slots and slots > 1 and slots * slot > budget:
+        slots -= 1
+    used = slots * slot if pin_slots else 0
+    pinned = []
+    for nbytes in master_nbytes:
+        pinned.append(used + nbytes <= budget)
+        used += nbytes if pinned[-1] else 0
+    return slots, pinned
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """A host sub-optimizer and where the gradients of its offloaded parameters land.
+
+    Attributes:
+        optimizer: the host sub-optimizer.
+        grads: ``(host copy, public parameter, byte offset in the slot)`` per offloaded
+            parameter, packed in the optimizer's order.
+        nbytes: bytes of a slot these gradients fill.
+        slot: the ring slot they are staged in.
+        follower: the bucket whose download reuses that slot once this one has stepped.
+        hosts: the host copies of ``grads``, in order.
+        params: their public parameters, in order.
+        packed: the copies move as one block each way (several of them, on one device).
+        views: the slot view each host copy has as its gradient (first step on).
+        master: the flat block the packed host copies are views into (first step on).
+        master_ptrs: where each packed host copy starts in ``master``, to notice one that a
+            client re-pointed (its ``.data`` replaced).
+        down: device views the gradients are gathered and widened into (packed, on CUDA).
+        up: device views the uploaded block lands in, narrowed from there (packed, on CUDA).
+        keep: indices of the copies that have a gradient in this step; None for all.
+    """
+
+    optimizer: torch.optim.Optimizer
+    grads: List[Tuple[torch.Tensor, torch.Tensor, int]]
+    nbytes: int
+    slot: int = 0
+    follower: Optional[int] = None
+    hosts: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    params: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    packed: bool = False
+    views: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    master: Optional[torch.Tensor] = None
+    master_ptrs: List[int] = dataclasses.field(default_factory=list)
+    down: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    up: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    keep: Optional[List[int]] = None
+
+    def kept(self, items: List[Any]) -> List[Any]:
+        """The entries of ``items`` (one per copy) whose copy has a gradient this step."""
+        return items if self.keep is None else [items[i] for i in self.keep]
+
+
+@dataclasses.dataclass
+class _RingPlan:
+    """What the first step allocates and pins (see ``_plan_grad_ring``)."""
+
+    slots: int
+    slot_bytes: int
+    pin_slots: bool
+    first_downloads: List[int]
+    masters_to_pin: List[torch.Tensor]
+    blocks_to_pin: List[int] = dataclasses.field(default_factory=list)
+
+
+def pack_host_copies(bucket: "_Bucket", pin: bool) -> None:
+    """Make the bucket's host copies views into one flat block, laid out as its slot, so
+    that it uploads in one copy; their values and tensor objects stay."""
+    block = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=pin)
+    for host, _, offset in bucket.grads:
+        view = _typed_view(block, offset, host)
+        view.copy_(host)
+        host.data = view
+    bucket.master = block
+    bucket.master_ptrs = [host.data_ptr() for host in bucket.hosts]
+
+
+def _widened(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """fp32 copies of ``grads`` (None stays None): views into one buffer per device, filled by
+    one multi-tensor copy, instead of a cast and an allocation per tensor."""
+    present = [grad for grad in grads if grad is not None]
+    if not present or len({grad.device for grad in present}) != 1:
+        return [None if grad is None else grad.to(torch.float32) for grad in grads]
+    flat = torch.empty(
+        sum(g.numel() for g in present), dtype=torch.float32, device=present[0].device
+    )
+    views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in present]), present)]
+    torch._foreach_copy_(views, present)  # pylint: disable=protected-access
+    widened = iter(views)
+    return [None if grad is None else next(widened) for grad in grads]
+
+
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)``, or nothing on a host without CUDA."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
