@@ -38,6 +38,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     _widened,
     pack_host_copies,
     plan_pinned_host_memory,
+    slot_sizes,
     upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
@@ -396,7 +397,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         The k-th bucket with offloaded parameters packs its gradients into ring slot
         ``k % slots``, and the download of bucket ``k + slots`` starts once bucket ``k`` has
-        been stepped; a slot holds the largest bucket. With overlap the ring has up to
+        been stepped; a slot holds the largest of its buckets. With overlap the ring has up to
         ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
         each download waits for the previous bucket's step. What is pinned (the slots, then
         the host copies in order) stays within what upstream keeps pinned for the same
@@ -448,11 +449,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._buckets[index].slot = k % slots
             if k + slots < len(staged):
                 self._buckets[index].follower = staged[k + slots]
-        slot_bytes = max((self._buckets[i].nbytes for i in staged), default=0)
+        staged_bytes = [self._buckets[i].nbytes for i in staged]
         chosen = [unit for (unit, _), pin in zip(units, pinned) if pin]
         self._ring_plan = _RingPlan(
             slots,
-            slot_bytes,
+            slot_sizes(staged_bytes, slots) if slots else [],
             pin_slots,
             staged[:slots],
             [unit for unit in chosen if isinstance(unit, torch.Tensor)],
@@ -468,8 +469,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if self._ring or not plan.slots:
             return
         self._ring = [
-            torch.empty(plan.slot_bytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
-            for _ in range(plan.slots)
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
+            for nbytes in plan.slot_bytes
         ]
         for bucket in self._buckets:
             for host, _, offset in bucket.grads:

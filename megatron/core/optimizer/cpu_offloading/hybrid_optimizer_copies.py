@@ -53,9 +53,10 @@ def plan_pinned_host_memory(
 ) -> Tuple[int, List[bool]]:
     """How many gradient slots the ring gets and which host copies are pinned.
 
-    The ring comes first, since every download needs a slot: up to ``max_slots`` slots of
-    the largest bucket, no more bytes than all buckets together, fewer if they would exceed
-    ``budget``, but at least one. Host copies are then pinned in order while the total stays
+    The ring comes first, since every download needs a slot: up to ``max_slots`` slots, each
+    as large as the largest bucket staged in it (:func:`slot_sizes`), fewer if they would
+    exceed ``budget``, but at least one. A ring never holds more than all buckets together,
+    since each slot is one of them. Host copies are then pinned in order while the total stays
     within ``budget``, so those left pageable are the last to upload, when nothing waits
     behind them.
 
@@ -71,17 +72,21 @@ def plan_pinned_host_memory(
     """
     if not bucket_nbytes:
         return 0, [False] * len(master_nbytes)
-    slot = max(bucket_nbytes)
-    # Never more staging than a gradient buffer per parameter (a dominant bucket: one slot).
-    slots = min(max_slots, len(bucket_nbytes), max(1, sum(bucket_nbytes) // slot))
-    while pin_slots and slots > 1 and slots * slot > budget:
+    slots = min(max_slots, len(bucket_nbytes))
+    while pin_slots and slots > 1 and sum(slot_sizes(bucket_nbytes, slots)) > budget:
         slots -= 1
-    used = slots * slot if pin_slots else 0
+    used = sum(slot_sizes(bucket_nbytes, slots)) if pin_slots else 0
     pinned = []
     for nbytes in master_nbytes:
         pinned.append(used + nbytes <= budget)
         used += nbytes if pinned[-1] else 0
     return slots, pinned
+
+
+def slot_sizes(bucket_nbytes: List[int], slots: int) -> List[int]:
+    """Bytes of each ring slot when the k-th bucket stages in slot ``k % slots``: the largest
+    of its own buckets (one large embedding then takes one large slot, not all of them)."""
+    return [max(bucket_nbytes[first::slots]) for first in range(slots)]
 
 
 @dataclasses.dataclass
@@ -132,7 +137,7 @@ class _RingPlan:
     """What the first step allocates and pins (see ``_plan_grad_ring``)."""
 
     slots: int
-    slot_bytes: int
+    slot_bytes: List[int]
     pin_slots: bool
     first_downloads: List[int]
     masters_to_pin: List[torch.Tensor]
