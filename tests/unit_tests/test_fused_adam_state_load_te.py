@@ -162,3 +162,46 @@ def test_fp32_fast_path_resumes_the_uninterrupted_run_exactly():
     train(params, resumed, 2, seed=3)
     for param, expected in zip(params, reference_params):
         assert torch.equal(param, expected)
+
+
+@pytest.mark.parametrize("mode", ["bf16_moments_master", "fp16_moments_master"])
+def test_a_read_into_the_load_targets_stores_what_te_stores(mode):
+    """The distributed optimizer's load targets for precision-aware state: bf16 moments are the
+    live tensors (the read casts into them), fp16 moments host fp32 tensors that the write
+    scales on the host. Either way the state and scales are TE's own set_scaled_state's, bit
+    for bit, and the write holds no fp32 copy of a piece on the GPU."""
+    inner = pytest.importorskip("megatron.core.optimizer.inner_optimizer_state")
+    params, optimizer = make(mode)
+    reference_params, reference = make(mode)
+    train(params, optimizer, 2, seed=1)
+    train(reference_params, reference, 2, seed=1)
+    access = inner.InnerOptimizerState(optimizer, ("exp_avg", "exp_avg_sq"), precision_aware=True)
+    generator = torch.Generator().manual_seed(5)
+    for param, reference_param in zip(params, reference_params):
+        saved = {
+            "exp_avg": torch.randn(param.shape, generator=generator) * 1e-3,
+            "exp_avg_sq": torch.rand(param.shape, generator=generator) * 1e-6,
+            "param": optimizer.get_unscaled_state(param, "master_param").cpu(),
+        }
+        targets = access.load_targets(param)
+        for key in ("exp_avg", "exp_avg_sq"):
+            live = optimizer.state[param][key]
+            assert (targets[key] is live) == (live.dtype == torch.bfloat16), key
+            with torch.no_grad():
+                targets[key].copy_(saved[key])  # what the checkpoint read does
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        access.write(param, targets)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < param.numel() * 4
+        for key in ("exp_avg", "exp_avg_sq"):
+            reference.set_scaled_state(reference_param, key, saved[key].cuda())
+            assert torch.equal(optimizer.state[param][key], reference.state[reference_param][key])
+            if key in reference._scales.get(
+                reference_param, {}
+            ):  # pylint: disable=protected-access
+                assert torch.equal(
+                    optimizer._scales[param][key],  # pylint: disable=protected-access
+                    reference._scales[reference_param][key],  # pylint: disable=protected-access
+                )

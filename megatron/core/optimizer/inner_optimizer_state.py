@@ -390,7 +390,9 @@ class ScaledFusedAdamState(InnerOptimizerState):
                     f"{type(self.optimizer).__name__} has no {name!r} state for a parameter of "
                     f"shape {tuple(param.shape)}; materialise the state before loading it"
                 )
-            if type(live) is torch.Tensor and live.dtype in _CAST_ON_STORE:
+            if (
+                type(live) is torch.Tensor and live.dtype in _CAST_ON_STORE
+            ):  # pylint: disable=unidiomatic-typecheck
                 targets[key] = live
             else:
                 targets[key] = torch.empty(live.shape, dtype=torch.float32, device="cpu")
@@ -408,8 +410,42 @@ class ScaledFusedAdamState(InnerOptimizerState):
         if not _is_same_tensor(tensors["param"], state.get(MASTER)):
             setter(param, MASTER, self._master_as_kept(param, tensors["param"]))
         for key in self.state_keys:
-            if not _is_same_tensor(tensors[key], state.get(key)):
-                setter(param, key, tensors[key].to(torch.float32))
+            if _is_same_tensor(tensors[key], state.get(key)):
+                continue
+            unscaled = tensors[key].to(torch.float32)
+            if not self._scale_on_host(param, key, unscaled):
+                setter(param, key, unscaled)
+
+    def _scale_on_host(self, param: torch.Tensor, key: str, unscaled: torch.Tensor) -> bool:
+        """Store host fp32 values into an fp16 state the way ``set_scaled_state`` does (the
+        absmax over the dtype's range as the scale, the values divided by it, then cast),
+        computing on the host: ``set_scaled_state`` would first copy the whole piece to the
+        accelerator in fp32. The arithmetic is IEEE fp32 either side, so the result is the
+        same bits. Returns False, doing nothing, where the optimizer does not keep what that
+        takes (then ``set_scaled_state`` stores it).
+
+        ``unscaled`` is divided in place, as ``set_scaled_state`` divides its input.
+        """
+        live = self.optimizer.state[param].get(key)
+        ranges = getattr(self.optimizer, "dtype_to_range_map", None)
+        scale = getattr(self.optimizer, "_scales", {}).get(param, {}).get(key)
+        if (
+            unscaled.is_cuda
+            or type(live) is not torch.Tensor  # pylint: disable=unidiomatic-typecheck
+            or live.dtype != torch.float16
+            or not isinstance(ranges, dict)
+            or not isinstance(ranges.get(torch.float16), torch.Tensor)
+            or not isinstance(scale, torch.Tensor)
+        ):
+            return False
+        max_range = ranges[torch.float16].to(device="cpu", dtype=torch.float32)
+        low, high = torch.aminmax(unscaled)
+        host_scale = torch.maximum(-low, high).to(torch.float32).reshape(1) / max_range
+        inverse = torch.where(host_scale > 0, host_scale.reciprocal(), 0.0)
+        unscaled.mul_(inverse)
+        live.copy_(unscaled)
+        scale.copy_(host_scale.reshape(scale.shape))
+        return True
 
     def _master_as_kept(self, param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``master`` in the form ``set_scaled_state`` takes: fp32, or the int16 remainders
