@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import distopt_resume  # noqa: E402  pylint: disable=wrong-import-position
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import resume_harness as distopt_resume  # noqa: E402  pylint: disable=wrong-import-position
 
 ROWS = {
     "fp32-dp_reshardable": "fp32-off0-dp_reshardable-fused_adam",

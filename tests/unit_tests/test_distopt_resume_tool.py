@@ -1,7 +1,10 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
-"""CPU tests of the resume tool's own logic: which results upstream's bugs excuse, and how its
-torchrun jobs share the GPUs."""
+"""CPU tests of the resume harness's own logic: which results upstream's bugs excuse, how its
+torchrun jobs share the GPUs, and that its one table is what every tool, benchmark and test
+reads."""
 
+import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
@@ -11,17 +14,20 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import load_tool
+    from fork_tools import import_harness, load_tool
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import load_tool
+    from tests.unit_tests.fork_tools import import_harness, load_tool
+
+tool = import_harness()
+orchestrator = import_harness("orchestrator")
+jobs = import_harness("jobs")
+results_files = import_harness("results")
+table = import_harness("table")
+cli = import_harness("cli")
+main_job = import_harness("main_job")
 
 
-@pytest.fixture(name="tool", scope="module")
-def fixture_tool():
-    return load_tool("distopt_resume.py", "distopt_resume_tool_cpu")
-
-
-def test_only_upstreams_own_failures_are_excused(tool):
+def test_only_upstreams_own_failures_are_excused():
     save_error = "save failed on rank 0: ValueError: can't optimize a non-leaf Tensor"
     results = {
         "w1-fp32-off0.5-legacy-upstream2fork": {"error": save_error},
@@ -53,7 +59,7 @@ def test_only_upstreams_own_failures_are_excused(tool):
     ],
 )
 def test_jobs_run_side_by_side_only_on_gpus_of_their_own(
-    tool, monkeypatch, visible, nproc, jobs, side_by_side, expected
+    monkeypatch, visible, nproc, jobs, side_by_side, expected
 ):
     seen, running, overlap = {}, [0], [False]
     lock = threading.Lock()
@@ -69,10 +75,10 @@ def test_jobs_run_side_by_side_only_on_gpus_of_their_own(
         seen[implementation] = devices
         return 0 if implementation != "job1" else 3
 
-    monkeypatch.setattr(tool, "_launch", launch)
-    monkeypatch.setattr(tool, "_visible_devices", lambda: visible)
+    monkeypatch.setattr(orchestrator, "_launch", launch)
+    monkeypatch.setattr(orchestrator, "_visible_devices", lambda: visible)
     job_list = [("save", f"job{i}", [], f"log{i}") for i in range(jobs)]
-    codes = tool._run_side_by_side(
+    codes = orchestrator._run_side_by_side(
         job_list, nproc, 60, side_by_side
     )  # pylint: disable=protected-access
     assert codes == [0, 3][:jobs]
@@ -85,7 +91,7 @@ class _Died(BaseException):
 
 
 @pytest.mark.parametrize("dies", ["in_the_case", "after_its_result"])
-def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_path, dies):
+def test_a_load_job_killed_by_one_case_restarts_after_it(monkeypatch, tmp_path, dies):
     """Every case but the one that killed the job gets its result, and that one an error
     naming the exit code and the log's cause (or its own result, when the job died in the
     clean-up after it); a case is run once. The cold-start figures measured before the load
@@ -95,7 +101,7 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
     root.mkdir()
     manifest = {"save_with": "upstream", "world": 1, "module_file": "m", "steps_after": 1}
     manifest["cases"] = [vars(tool.Case.parse(name)) for name in names]
-    (root / tool.MANIFEST).write_text(tool.json.dumps(manifest), encoding="utf-8")
+    (root / tool.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
     killer = tool.Case.parse(names[1]).key(1, "upstream", "upstream")
     runs = []
 
@@ -129,20 +135,20 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
         Path(log).write_text("frame #0: c10::Error::Error\nRuntimeError: CUDA error\n")
         args = tool.parse_args(["--load-with", "upstream", "--ckpt-dir", str(root), *extra])
         try:
-            tool.run_load(args, Rank(), "m")
+            jobs.run_load(args, Rank(), "m")
         except _Died:
             return 1
         return 0
 
-    monkeypatch.setattr(tool, "load_one", load_one)
-    monkeypatch.setattr(tool, "_release", release)  # no CUDA here
-    monkeypatch.setattr(tool, "_launch", launch)
+    monkeypatch.setattr(jobs, "load_one", load_one)
+    monkeypatch.setattr(jobs, "release", release)  # no CUDA here
+    monkeypatch.setattr(orchestrator, "_launch", launch)
     out = tmp_path / "loaded_by_upstream.json"
     job = ("load", "upstream", ["--out", str(out)], tmp_path / "load.log")
     assert launch(*job[:2], 1, job[2], job[3], 60) == 1
-    assert tool._load_until_done(job, 1, 60, 1) == 0  # pylint: disable=protected-access
+    assert orchestrator._load_until_done(job, 1, 60, 1) == 0  # pylint: disable=protected-access
     assert [name for name in runs if name != "released"] == names
-    results = tool.json.loads(out.read_text(encoding="utf-8"))
+    results = json.loads(out.read_text(encoding="utf-8"))
     assert sorted(results) == sorted(
         tool.Case.parse(name).key(1, "upstream", "upstream") for name in names
     )
@@ -155,7 +161,7 @@ def test_a_load_job_killed_by_one_case_restarts_after_it(tool, monkeypatch, tmp_
     assert not results[killer]["exact"]
 
 
-def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatch, tmp_path):
+def test_drive_runs_save_then_load_jobs_and_collects_every_case(monkeypatch, tmp_path):
     """The driver's own path from jobs to results, with torchrun faked: each saving job writes
     its manifest, each loading job its result; a load job that died once is restarted, and
     stale result files of an earlier run in the same folder are not read."""
@@ -178,26 +184,26 @@ def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatc
             root.mkdir(parents=True)
             manifest = {"save_with": implementation, "world": nproc, "module_file": "m"}
             manifest.update(steps_after=1, cases=[vars(case) for case in cases])
-            (root / tool.MANIFEST).write_text(tool.json.dumps(manifest), encoding="utf-8")
+            (root / tool.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
             return 0
         out = extra[extra.index("--out") + 1]
-        part = tool._rank_file(out, 0)  # pylint: disable=protected-access
-        results = tool.json.loads(part.read_text()) if "--continue-load" in extra else {}
+        part = results_files.rank_file(out, 0)
+        results = json.loads(part.read_text()) if "--continue-load" in extra else {}
         for saver in ("fork", "upstream"):
             for case in cases:
                 key = case.key(nproc, saver, implementation)
                 if key in results:
                     continue
                 if saver == "upstream" and case.offload == 0.5 and "--continue-load" not in extra:
-                    marker = tool._current_file(out, 0)  # pylint: disable=protected-access
-                    marker.write_text(tool.json.dumps({"case": key}))
+                    marker = results_files.current_file(out, 0)
+                    marker.write_text(json.dumps({"case": key}))
                     return 1  # the first start dies in this case
                 results[key] = {"error": None, "params_exact": True, "state_exact": True}
-                part.write_text(tool.json.dumps(results))
+                part.write_text(json.dumps(results))
         return 0
 
-    monkeypatch.setattr(tool, "_launch", launch)
-    monkeypatch.setattr(tool, "te_unavailable", lambda case: None)
+    monkeypatch.setattr(orchestrator, "_launch", launch)
+    monkeypatch.setattr(orchestrator, "te_unavailable", lambda case: None)
     logs = tmp_path / "logs"
     results = tool.drive(
         cases,
@@ -228,7 +234,7 @@ def test_drive_runs_save_then_load_jobs_and_collects_every_case(tool, monkeypatc
     ]
 
 
-def test_probe_shape_keeps_several_buckets(tool):
+def test_probe_shape_keeps_several_buckets():
     """The small probe keeps the bucket size the matrix was written for; a wide one (the main
     job's) still gets several buckets, not thousands."""
     small, wide = tool.Shape(), tool.Shape(1024, 4096)
@@ -244,7 +250,7 @@ def test_probe_shape_keeps_several_buckets(tool):
     assert wide.numel == sum(p.numel() for layer in layers for p in layer.parameters())
 
 
-def test_ranks_merge_into_one_result_judged_by_the_worst_rank(tool):
+def test_ranks_merge_into_one_result_judged_by_the_worst_rank():
     """Exact only where every rank was; each figure and each load phase's peak is the largest
     any rank reported, a phase only one rank had included."""
     parts = [
@@ -268,7 +274,7 @@ def test_ranks_merge_into_one_result_judged_by_the_worst_rank(tool):
             "mismatches": ["state x: max |diff| 1"],
         },
     ]
-    merged = tool._merge_case(parts)  # pylint: disable=protected-access
+    merged = tool.merge_case(parts)
     assert not merged["exact"] and merged["params_exact"] and not merged["state_exact"]
     assert merged["pinned_cold_bytes"] == 9 and merged["load_peak_gpu_extra_bytes"] == 30
     assert merged["load_phase_peak_gpu_extra_bytes"] == {
@@ -280,7 +286,7 @@ def test_ranks_merge_into_one_result_judged_by_the_worst_rank(tool):
     assert [rank["pinned_cold_bytes"] for rank in merged["per_rank"]] == [5, 9]
 
 
-def test_optimizer_state_bytes_counts_each_tensor_once_by_place(tool):
+def test_optimizer_state_bytes_counts_each_tensor_once_by_place():
     shared = torch.zeros(8, dtype=torch.bfloat16)
     inner = SimpleNamespace(
         state={
@@ -313,3 +319,71 @@ def test_load_memory_reports_phases_in_state_sets():
     # Offloaded state: no state set on the GPU, so only MiB.
     offloaded = benchmark.figures(dict(result, optimizer_state_bytes={"host_moments": 4 * mib}))
     assert offloaded["read_peak"] is None and offloaded["read_peak_mib"] == 7
+
+
+def test_one_table_feeds_the_command_line_the_main_job_and_the_benchmark(monkeypatch):
+    """A row added to the table reaches the resume command line's choices, the cases it builds
+    and the main job's selection, with nothing else edited: no consumer keeps a list of its own.
+    The benchmark's rows are cases of the table."""
+    new_format = table.Format("new_format", dist_checkpoint=True, default_of="torch_dist")
+    new_kind = table.OptimizerKind("new_kind", te=True, moment_dtype=torch.float32)
+    monkeypatch.setattr(table, "FORMAT_ROWS", (*table.FORMAT_ROWS, new_format))
+    monkeypatch.setattr(table, "OPTIMIZER_KINDS", (*table.OPTIMIZER_KINDS, new_kind))
+    monkeypatch.setattr(table, "DTYPES", ("bf16",))
+    monkeypatch.setattr(table, "OFFLOAD_FRACTIONS", (0.0, 0.25, 0.5))
+
+    choices = {action.dest: action.choices for action in cli.build_parser()._actions}
+    assert choices["format"] == table.format_names() and choices["format"][-1] == "new_format"
+    assert choices["optimizer"] == table.kind_names() and choices["optimizer"][-1] == "new_kind"
+    assert choices["dtype"] == ("bf16",)
+    args = cli.parse_args(["--save-with", "fork", "--offload-fraction", "0", "0.25"])
+    assert [case.offload for case in tool.selected_cases(args)] == [0.0, 0.25]
+    for refused in (["--offload-fraction", "1"], ["--dtype", "fp32"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--save-with", "fork", *refused])
+    args = cli.parse_args(["--save-with", "fork", "--cases", "bf16-off0-new_format-new_kind"])
+    assert tool.selected_cases(args)[0].kind is new_kind
+    # The TE kind runs without offload only, as the table's field says.
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--save-with", "fork", "--cases", "bf16-off0.25-new_format-new_kind"])
+
+    assert main_job.formats() == ["legacy", "dp_reshardable", "new_format"]
+    assert main_job.te_formats() == ["dp_reshardable", "new_format"]
+    assert main_job.te_kinds()[-1] == "new_kind"
+    assert "precision_aware_fp16" not in main_job.te_kinds()  # resume_matrix=False
+
+    monkeypatch.undo()
+    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_rows")
+    for row, name in benchmark.ROWS.items():
+        case = tool.Case.parse(name)
+        assert case.fmt in table.format_names(dist_checkpoint=True), row
+    # The tool keeps the same command line: its main is the package's.
+    assert load_tool("distopt_resume.py", "distopt_resume_thin").main is cli.main
+
+
+def test_each_optimizer_kind_sets_fields_megatron_has():
+    """Every kind's options are OptimizerConfig fields, and precision-aware kinds spell out
+    store_param_remainders (OptimizerConfig defaults it to True)."""
+    from megatron.core.optimizer import OptimizerConfig  # pylint: disable=import-outside-toplevel
+
+    fields = {field.name for field in dataclasses.fields(OptimizerConfig)}
+    for kind in table.OPTIMIZER_KINDS:
+        for offload in (0.0, 0.5):
+            options = kind.options(offload)
+            assert set(options) <= fields, (kind.name, set(options) - fields)
+            assert options["optimizer_cpu_offload"] == (offload > 0)
+        if kind.precision_aware:
+            assert kind.options(0.0)["store_param_remainders"] is kind.remainders
+            assert kind.inner_settings()["exp_avg_dtype"] is kind.moment_dtype
+    assert table.optimizer_kind("default").inner_settings() == {}
+    with pytest.raises(ValueError, match="choose from"):
+        table.optimizer_kind("sgd")
+
+
+def test_the_tables_dist_checkpoint_formats_are_sharding_types_the_fork_knows():
+    """A format the harness saves through ``sharded_state_dict`` is a sharding type of the fork's
+    format registry, so that a renamed one is caught here and not in a GPU run."""
+    formats = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_formats")
+    for name in table.format_names(dist_checkpoint=True):
+        assert formats.format_named(name).name == name
+    assert "legacy" not in formats.FORMATS  # torch.save files, not a sharding type

@@ -21,13 +21,13 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import load_tool
+    from fork_tools import import_harness
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import load_tool
+    from tests.unit_tests.fork_tools import import_harness
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-tool = load_tool("distopt_resume.py", "distopt_resume_load_memory")
+tool = import_harness()
 
 TOLERANCE = 0.05
 """State sets a phase may add on top of the state itself: small tensors, allocator rounding."""

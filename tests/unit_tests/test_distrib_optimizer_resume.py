@@ -1,7 +1,8 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 """GPU: checkpoints move between the fork's DistributedOptimizer and upstream's, bit-exactly.
 
-Each case runs ``tools/distopt_resume.py``: one implementation trains a small DDP model,
+Each case runs the resume harness (``resume_harness``, as ``tools/distopt_resume.py``): one
+implementation trains a small DDP model,
 checkpoints it and goes on for a few steps; the other (or the same) builds a fresh model and
 optimizer, loads the checkpoint, takes the same steps, and every parameter and every piece of
 optimizer state must equal the uninterrupted run (``torch.equal``). The matrix covers world
@@ -33,32 +34,32 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import load_tool
+    from fork_tools import import_harness
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import load_tool
+    from tests.unit_tests.fork_tools import import_harness
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 QUICK = os.environ.get("DISTOPT_RESUME_QUICK", "") not in ("", "0")
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
+TOOL = import_harness()
+TABLE = import_harness("table")
+
 PAIRS = [("fork", "fork"), ("upstream", "fork"), ("fork", "upstream"), ("upstream", "upstream")]
-FORMATS = ["legacy", "dp_zero_gather_scatter", "dp_reshardable", "fully_reshardable"]
-# fully_sharded_model_space is left out: 0.19.2's dist_checkpointing rejects the flattened
-# ShardedTensors it is made of, whichever implementation writes them.
-DTYPES = ["fp32", "bf16"]
-OFFLOADS = [0.0, 0.5, 1.0]
+# Every format 0.19.2's dist_checkpointing can write and read (fully_sharded_model_space is
+# refused whichever implementation writes it), every dtype and offload fraction of the table.
+FORMATS = list(TABLE.format_names(round_trips=True))
+DTYPES = list(TABLE.DTYPES)
+OFFLOADS = list(TABLE.OFFLOAD_FRACTIONS)
 WORLDS = [1, 2] if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else [1]
-# Inner-optimizer variants that need TE FusedAdam: bf16 parameters, no offload.
-TE_VARIANTS = ["fused_adam", "precision_aware", "precision_aware_remainders"]
+# Inner-optimizer kinds that need TE FusedAdam: bf16 parameters, no offload.
+TE_VARIANTS = list(TABLE.kind_names(te=True, resume_matrix=True))
 TE_FORMATS = FORMATS
 if QUICK:
     FORMATS = ["legacy", "dp_reshardable", "fully_reshardable"]
     DTYPES, OFFLOADS, WORLDS = ["bf16"], [0.0, 0.5], [1]
     TE_FORMATS = ["dp_reshardable"]
-
-
-TOOL = load_tool("distopt_resume.py", "distopt_resume_tool")
 
 
 def _known_upstream_failure(pair):

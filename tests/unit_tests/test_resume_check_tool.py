@@ -1,6 +1,7 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
-"""CPU tests of the main job's (``tools/resume_check.py``) distributed-optimizer part, with the
-torchrun driver faked: what it runs in which order and what it shows before it finishes."""
+"""CPU tests of the main job (``tools/resume_check.py`` over ``resume_harness``): its
+distributed-optimizer part with the torchrun driver faked (what it runs in which order and what
+it shows before it finishes), its tables, command line and verdict."""
 
 import json
 from argparse import Namespace
@@ -8,18 +9,22 @@ from argparse import Namespace
 import pytest
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import load_tool
+    from fork_tools import import_harness, load_tool
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import load_tool
+    from tests.unit_tests.fork_tools import import_harness, load_tool
+
+main_job = import_harness("main_job")
+tables = import_harness("tables")
+hdo_report = import_harness("hdo_report")
 
 
-@pytest.fixture(name="main_job", scope="module")
-def fixture_main_job():
+@pytest.fixture(name="command_line", scope="module")
+def fixture_command_line():
     return load_tool("resume_check.py", "resume_check_cpu")
 
 
 class FakeDriver:
-    """Stands in for ``tools/distopt_resume.py``: records its calls, gives one result a case."""
+    """Stands in for the harness's driver: records its calls, gives one result a case."""
 
     def __init__(self, json_path, te_problem=None):
         self.json_path = json_path
@@ -59,7 +64,7 @@ class FakeDriver:
 
 
 @pytest.mark.parametrize("te_problem", [None, "Transformer Engine not importable"])
-def test_the_forks_side_is_shown_and_kept_before_upstreams_runs(main_job, tmp_path, te_problem):
+def test_the_forks_side_is_shown_and_kept_before_upstreams_runs(tmp_path, te_problem):
     """A main job cut short while upstream's side runs still shows and keeps the fork's."""
     json_path = tmp_path / "distributed.json"
     driver = FakeDriver(json_path, te_problem)
@@ -85,7 +90,7 @@ def test_the_forks_side_is_shown_and_kept_before_upstreams_runs(main_job, tmp_pa
     ]
 
 
-def test_the_last_table_puts_upstream_beside_the_fork(main_job, capsys):
+def test_the_last_table_puts_upstream_beside_the_fork(capsys):
     """One row per case and table, upstream's figures left of the fork's, each load phase's GPU
     peak in its column whatever the format calls it, skipped cases named."""
     mib = 2**20
@@ -111,7 +116,7 @@ def test_the_last_table_puts_upstream_beside_the_fork(main_job, capsys):
         "w2-bf16-off0-x-fork2fork": {"skipped": "no TE"},
         "w2-bf16-off0-x-upstream2upstream": {"skipped": "no TE"},
     }
-    main_job.side_by_side(results)
+    tables.side_by_side(results)
     lines = capsys.readouterr().out.splitlines()
 
     def rows(name):
@@ -128,7 +133,7 @@ def test_the_last_table_puts_upstream_beside_the_fork(main_job, capsys):
         assert [cell.strip() for cell in table] == ["skipped", "skipped"]
 
 
-def test_nothing_runs_without_cuda_or_when_switched_off(main_job, tmp_path, capsys):
+def test_nothing_runs_without_cuda_or_when_switched_off(tmp_path, capsys):
     driver = FakeDriver(tmp_path / "distributed.json")
     on = Namespace(distributed="auto", offload_fraction=0.5, dist_hidden=64, dist_ffn=96)
     assert main_job.distributed_check(on, "cpu", None, tool=driver) is None
@@ -138,8 +143,8 @@ def test_nothing_runs_without_cuda_or_when_switched_off(main_job, tmp_path, caps
     assert not driver.calls
 
 
-def test_every_option_has_help_with_its_default_and_the_epilog_names_outputs(main_job):
-    parser = main_job.build_parser()
+def test_every_option_has_help_with_its_default_and_the_epilog_names_outputs(command_line):
+    parser = command_line.build_parser()
     shown = [a for a in parser._actions if a.help not in (None, "==SUPPRESS==")]
     for action in shown:
         if action.dest != "help":
@@ -149,7 +154,7 @@ def test_every_option_has_help_with_its_default_and_the_epilog_names_outputs(mai
         assert needle in text, needle
 
 
-def test_without_matplotlib_the_plot_says_why_and_nothing_crashes(main_job, monkeypatch, tmp_path):
+def test_without_matplotlib_the_plot_says_why_and_nothing_crashes(monkeypatch, tmp_path):
     import builtins  # pylint: disable=import-outside-toplevel
 
     real_import = builtins.__import__
@@ -160,7 +165,7 @@ def test_without_matplotlib_the_plot_says_why_and_nothing_crashes(main_job, monk
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    reason = main_job.plot({"fork": {"error": "x"}}, str(tmp_path / "p.png"), "cpu")
+    reason = hdo_report.plot({"fork": {"error": "x"}}, str(tmp_path / "p.png"), "cpu")
     assert reason.startswith("no plot: matplotlib is not importable")
     assert not (tmp_path / "p.png").exists()
 
@@ -176,7 +181,7 @@ def test_without_matplotlib_the_plot_says_why_and_nothing_crashes(main_job, monk
         ({"error": "boom"}, None, False, "failed: boom"),
     ],
 )
-def test_the_verdict_says_pass_or_fail_and_why(main_job, fork, distributed, passed, needle):
+def test_the_verdict_says_pass_or_fail_and_why(fork, distributed, passed, needle):
     results = {"upstream 0.19.2": {"error": "cannot run"}, "fork": fork}
     outcome, why = main_job.verdict(results, distributed)
     assert outcome is passed and needle in why, why
