@@ -16,6 +16,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
+from megatron.core.optimizer import state_load_checks as checks
+
 MASTER = "master_param"
 """State key of an fp32 master copy kept by the inner optimizer."""
 
@@ -310,7 +312,7 @@ class InnerOptimizerState:
         for param in self.params():
             step = self.optimizer.state.get(param, {}).get("step")
             if step is not None:
-                return int(step.item() if torch.is_tensor(step) else step)
+                return int(checks.host_value(step) if torch.is_tensor(step) else step)
         for group in self.optimizer.param_groups:
             if group.get("step") is not None and group["params"]:
                 return int(group["step"])
@@ -461,7 +463,10 @@ class ScaledFusedAdamState(InnerOptimizerState):
         if master.dtype == torch.int16:
             return master
         remainders = master.to(torch.int16)
-        if not (master.is_floating_point() and torch.equal(remainders.to(master.dtype), master)):
+        exact = master.is_floating_point() and checks.host_value(
+            (remainders.to(master.dtype) == master).all()
+        )
+        if not exact:
             raise ValueError(
                 f"the checkpoint holds {master.dtype} master weights for a bf16 parameter of "
                 f"shape {tuple(param.shape)} that are not int16 remainders, but the optimizer "

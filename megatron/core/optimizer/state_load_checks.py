@@ -81,16 +81,25 @@ def count_nonfinite(tensor: torch.Tensor) -> int:
         return 0
     flat = tensor.detach().reshape(-1)
     try:
-        low, high = torch.aminmax(flat)
-        if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
+        extremes = torch.stack(torch.aminmax(flat))
+        if host_value(torch.isfinite(extremes).all()):
             return 0
     except (NotImplementedError, RuntimeError):  # dtypes without aminmax (float8)
         pass
     bad = 0
     for start in range(0, flat.numel(), _NONFINITE_CHUNK):
         chunk = flat[start : start + _NONFINITE_CHUNK].float()
-        bad += chunk.numel() - int(torch.isfinite(chunk).sum())
+        bad += chunk.numel() - int(host_value(torch.isfinite(chunk).sum()))
     return bad
+
+
+def host_value(tensor: torch.Tensor) -> Any:
+    """The Python number of a one-element tensor, read through a plain host copy.
+
+    ``.item()`` on an accelerator tensor stages the value in pinned host memory, which the
+    caching host allocator then keeps: a load would leave pinned memory behind it.
+    """
+    return tensor.detach().reshape(()).cpu().item()
 
 
 def nonfinite_policy() -> str:
