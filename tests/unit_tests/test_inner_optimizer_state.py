@@ -6,6 +6,11 @@ import torch
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from optimizer_doubles import FusedAdamDouble
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.optimizer_doubles import FusedAdamDouble
+
 # The contract exists only in the fork; with the overlay off there is nothing to test.
 _contract = pytest.importorskip("megatron.core.optimizer.inner_optimizer_state")
 InnerOptimizerState = _contract.InnerOptimizerState
@@ -375,3 +380,43 @@ def test_a_master_the_optimizer_cannot_take_is_refused_before_writing():
     access.check_write(param, {"param": torch.tensor([1.0, -3.0, 0.0, 7.0]), **moments})
     with pytest.raises(KeyError, match="exp_avg_sq"):
         access.check_write(param, {"param": torch.zeros(4), "exp_avg": torch.zeros(4)})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(master_weights=True),
+        dict(master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16),
+        dict(master_weights=True, store_param_remainders=True),
+        dict(master_weights=False, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16),
+    ],
+    ids=["fp32_master", "fp16_moments", "remainders", "no_master"],
+)
+def test_precision_aware_state_is_allocated_as_the_first_step_would_make_it(options):
+    """The precision-aware kind creates the state with the optimizer's allocator and copies
+    the master in place (no step, no fp32 clone of the parameter): the state and scales are
+    those the optimizer's own first-step initialisation makes, bit for bit."""
+    generator = torch.Generator().manual_seed(2)
+    shapes = [(6, 4), (5,), (3, 3)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in shapes]
+    optimizer = FusedAdamDouble([{"params": params}], lr=1e-2, **options)
+    reference = FusedAdamDouble([{"params": params}], lr=1e-2, **options)
+    calls = []
+    for name in ("step", "initialize_state"):
+        original = getattr(optimizer, name)
+        setattr(
+            optimizer,
+            name,
+            lambda *a, _o=original, _n=name, **k: (calls.append(_n), _o(*a, **k))[1],
+        )
+    access = InnerOptimizerState(optimizer, ADAM_KEYS, precision_aware=True)
+    access.materialise()
+    assert access.is_materialised() and not calls
+    for param in params:
+        reference.initialize_state(param, reference._keeps_remainders(param, "master_param"))
+        assert optimizer.state[param].keys() == reference.state[param].keys()
+        for key, value in optimizer.state[param].items():
+            assert value.dtype == reference.state[param][key].dtype
+            assert torch.equal(value, reference.state[param][key]), key
+        assert optimizer._scales.get(param, {}).keys() == reference._scales.get(param, {}).keys()
+    assert "step" not in optimizer.param_groups[0]

@@ -363,6 +363,44 @@ class ScaledFusedAdamState(InnerOptimizerState):
 
     scaled = True
 
+    def materialise(self) -> None:
+        """Create missing state with the optimizer's own allocator (``_initialize_state``):
+        zero moments, and the master copied from the parameter in place.
+
+        TE's own first-step initialisation makes an fp32 clone of each parameter before
+        storing its master, one parameter's worth of memory on top of the state; the copy
+        into the allocated master gives the same values without it. Parameters this cannot
+        handle (DTensor or quantized ones, an optimizer without that allocator) are left to
+        the null step.
+        """
+        allocate = getattr(self.optimizer, "_initialize_state", None)
+        if callable(allocate):
+            for param in self.params():
+                if param.numel() == 0 or self.optimizer.state.get(param):
+                    continue
+                if type(param) not in (torch.Tensor, torch.nn.Parameter):
+                    continue
+                self._allocate_state(allocate, param)
+        super().materialise()
+
+    @torch.no_grad()
+    def _allocate_state(self, allocate, param: torch.Tensor) -> None:
+        remainders = keeps_param_remainders(self.optimizer, param)
+        for key in self.state_keys:
+            allocate(param, key, True)
+        if not getattr(self.optimizer, "master_weights", False):
+            return
+        allocate(param, MASTER, False, remainders)
+        if remainders:
+            return  # zero low bits: the bf16 parameter is the master value
+        master = self.optimizer.state[param][MASTER]
+        if (
+            type(master) is torch.Tensor and master.dtype == torch.float32
+        ):  # pylint: disable=unidiomatic-typecheck
+            master.copy_(param.detach())
+        else:
+            self.optimizer.set_scaled_state(param, MASTER, param.detach().float())
+
     def read(self, param: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The fp32 master value (``"param"``) and each state tensor of ``param``, unscaled
         into new fp32 tensors."""
