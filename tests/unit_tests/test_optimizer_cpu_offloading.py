@@ -1000,6 +1000,24 @@ def test_upstream_pinned_bytes_counts_grad_buffers_and_unwidened_copies():
     assert hybrid_optimizer.upstream_pinned_bytes([kept], pin_grads=False) == 20
 
 
+def test_pinned_memory_is_counted_in_the_blocks_the_host_allocator_holds():
+    """The caching host allocator holds a power of two for each pinned allocation, upstream's
+    as well as the fork's: the plan can count both sides that way, so what the process holds
+    pinned, not only what its tensors use, stays within upstream's."""
+    block = hybrid_optimizer.pinned_block_bytes
+    assert [block(n) for n in (0, 1, 3, 4, 5, 1000)] == [0, 1, 4, 4, 8, 1024]
+    bf16 = torch.zeros(10, dtype=torch.bfloat16)
+    widened = (torch.zeros(10), bf16)  # 40-byte fp32 host copies: 64-byte blocks
+    kept = (torch.zeros(10, dtype=torch.bfloat16), bf16)  # 20 bytes: 32-byte blocks
+    assert hybrid_optimizer.upstream_pinned_bytes([widened] * 2, True, held=True) == 128
+    assert hybrid_optimizer.upstream_pinned_bytes([kept], True, held=True) == 64
+    # Counted in blocks, two slots (8 + 4) leave room for one 3-byte copy (a 4-byte block);
+    # counted in bytes (8 + 3 + 3 <= 16) both would be pinned and hold 20 bytes.
+    plan = hybrid_optimizer.plan_pinned_host_memory
+    assert plan([5, 3], [3, 3], 16, 2, True, block) == (2, [True, False])
+    assert plan([5, 3], [3, 3], 16, 2, True) == (2, [True, True])
+
+
 @pytest.mark.parametrize(
     "buckets,masters,budget,max_slots,expected",
     [

@@ -37,6 +37,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     _typed_view,
     _widened,
     pack_host_copies,
+    pinned_block_bytes,
     plan_pinned_host_memory,
     slot_sizes,
     upstream_pinned_bytes,
@@ -401,8 +402,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
         each download waits for the previous bucket's step. What is pinned (the slots, then
         the host copies in order) stays within what upstream keeps pinned for the same
-        parameters (see :func:`plan_pinned_host_memory`); a packed bucket's block is pinned
-        or not as a whole. The copies left pageable are the last to upload; where their
+        parameters, both counted in the power-of-two blocks the host allocator holds (see
+        :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not as a whole. The copies left pageable are the last to upload; where their
         bucket's slot is free by then (no download follows), they are staged through it (see
         ``_upload``).
         """
@@ -441,9 +442,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         slots, pinned = plan_pinned_host_memory(
             [self._buckets[i].nbytes for i in staged],
             [nbytes for _, nbytes in units],
-            upstream_pinned_bytes(copies, self.pin_cpu_grads),
+            # What upstream's pins hold, block by block, against the fork's counted alike.
+            upstream_pinned_bytes(copies, self.pin_cpu_grads, held=True),
             _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
             pin_slots,
+            pinned_block_bytes,
         )
         for k, index in enumerate(staged):
             self._buckets[index].slot = k % slots

@@ -10,7 +10,7 @@ into one flat block so that each direction is one copy.
 
 import contextlib
 import dataclasses
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -24,7 +24,15 @@ def _typed_view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Ten
     return raw[offset : offset + _nbytes(like)].view(like.dtype).view(like.shape)
 
 
-def upstream_pinned_bytes(copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool) -> int:
+def pinned_block_bytes(nbytes: int) -> int:
+    """Bytes the caching host allocator holds for a pinned allocation of ``nbytes``: it asks
+    CUDA for blocks of a power of two."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def upstream_pinned_bytes(
+    copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool, held: bool = False
+) -> int:
     """Pinned bytes megatron-core 0.19.2's HDO keeps for these offloaded parameters.
 
     It keeps a gradient buffer in the host copy's dtype (pinned if ``pin_grads``) and pins
@@ -34,13 +42,16 @@ def upstream_pinned_bytes(copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_g
     Args:
         copies: ``(host copy, accelerator parameter)`` per offloaded parameter.
         pin_grads: upstream's ``pin_cpu_grads``.
+        held: count each allocation as the block the host allocator holds for it
+            (:func:`pinned_block_bytes`), what the process pins, rather than its bytes.
     """
+    size = pinned_block_bytes if held else int
     total = 0
     for host, param in copies:
         if pin_grads:
-            total += _nbytes(host)
+            total += size(_nbytes(host))
         if host.dtype == param.dtype:
-            total += _nbytes(param)
+            total += size(_nbytes(param))
     return total
 
 
@@ -50,6 +61,7 @@ def plan_pinned_host_memory(
     budget: int,
     max_slots: int,
     pin_slots: bool = True,
+    block: Callable[[int], int] = int,
 ) -> Tuple[int, List[bool]]:
     """How many gradient slots the ring gets and which host copies are pinned.
 
@@ -66,20 +78,26 @@ def plan_pinned_host_memory(
         budget: the most pinned bytes allowed (what upstream keeps pinned).
         max_slots: ring slots wanted.
         pin_slots: whether the slots are pinned (count against ``budget``).
+        block: what a pinned allocation of so many bytes costs against ``budget`` (e.g.
+            :func:`pinned_block_bytes`, with a budget counted the same way).
 
     Returns:
         ``(slots, pinned)``: the slot count (0 without buckets) and a flag per host copy.
     """
     if not bucket_nbytes:
         return 0, [False] * len(master_nbytes)
+
+    def ring(slots):
+        return sum(block(nbytes) for nbytes in slot_sizes(bucket_nbytes, slots))
+
     slots = min(max_slots, len(bucket_nbytes))
-    while pin_slots and slots > 1 and sum(slot_sizes(bucket_nbytes, slots)) > budget:
+    while pin_slots and slots > 1 and ring(slots) > budget:
         slots -= 1
-    used = sum(slot_sizes(bucket_nbytes, slots)) if pin_slots else 0
+    used = ring(slots) if pin_slots else 0
     pinned = []
     for nbytes in master_nbytes:
-        pinned.append(used + nbytes <= budget)
-        used += nbytes if pinned[-1] else 0
+        pinned.append(used + block(nbytes) <= budget)
+        used += block(nbytes) if pinned[-1] else 0
     return slots, pinned
 
 
