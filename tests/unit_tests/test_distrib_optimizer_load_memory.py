@@ -13,8 +13,6 @@ stored dtype). Offloaded state keeps the GPU figures at zero, within ``OFFLOADED
 Transformer Engine rows skip where TE does not import; everything skips without CUDA.
 """
 
-import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -22,8 +20,10 @@ import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     from fork_tools import import_harness
+    from single_rank import fixture_parallel_state  # noqa: F401  pylint: disable=unused-import
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests.fork_tools import import_harness
+    from tests.unit_tests.single_rank import fixture_parallel_state  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -49,25 +49,10 @@ CASES = [
 ]
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(name="rank", scope="module")
-def fixture_rank():
-    """One NCCL rank with Megatron's model-parallel groups (all of size one)."""
-    from megatron.core import parallel_state  # pylint: disable=import-outside-toplevel
-
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "localhost")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        torch.cuda.set_device(0)
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield SimpleNamespace(rank=0, barrier=torch.distributed.barrier)
-    parallel_state.destroy_model_parallel()
+def fixture_rank(parallel_state):  # pylint: disable=unused-argument
+    """Rank 0 of the one-rank world, as the harness's save step takes it."""
+    return SimpleNamespace(rank=0, barrier=torch.distributed.barrier)
 
 
 def _needs_gradients_for_state(optimizer):

@@ -8,37 +8,20 @@ steps. Pinned host memory after the load must not exceed the resumed run's cold 
 """
 
 import os
-import socket
 
 import pytest
 import torch
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from single_rank import fixture_parallel_state  # noqa: F401  pylint: disable=unused-import
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.single_rank import fixture_parallel_state  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 HIDDEN = 64
 STEPS_BEFORE_SAVE = 3
 STEPS_AFTER_SAVE = 3
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def parallel_state():
-    """One NCCL rank with Megatron's model-parallel groups (all of size one)."""
-    from megatron.core import parallel_state as ps  # pylint: disable=import-outside-toplevel
-
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "localhost")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        torch.cuda.set_device(0)
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    ps.initialize_model_parallel()
-    yield ps
-    ps.destroy_model_parallel()
 
 
 def _pinned_bytes():
