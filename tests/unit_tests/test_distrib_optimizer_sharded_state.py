@@ -13,6 +13,7 @@ parameter, scattered into each layout's buffers. ``fully_reshardable`` must give
 that truth, also where upstream 0.19.2 reads shifted offsets (several buckets per buffer).
 """
 
+import copy
 import itertools
 import math
 from types import SimpleNamespace
@@ -1100,6 +1101,10 @@ def test_param_name_rejects_clashing_chunks_and_unknown_params():
 class NamedShardHost(ForkHost):
     """Megatron-FSDP double: the optimizer's params are the model params themselves."""
 
+    def load_state_dict_for_test(self, state_dict):
+        """The Megatron-FSDP branch of ``DistributedOptimizer.load_state_dict``."""
+        self._load_state_dict_megatron_fsdp(state_dict)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.optimizer = torch.optim.AdamW(
@@ -1122,6 +1127,71 @@ def test_fsdp_dtensor_state():
     assert request["param_to_group_meta"]["w5"]["lr"] == 0.2
     theirs = Upstream.sharded_param_state_fsdp_dtensor(host, is_loading=False)
     assert canonical(host.sharded_param_state_fsdp_dtensor(False)) == canonical(theirs)
+
+
+def _trained_fsdp_host(seed):
+    host = build(SINGLE_BUCKET, 1, 0, seed=seed, fsdp=True, host_class=NamedShardHost)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(2):
+        for param in host.params:
+            param.grad = torch.randn(param.shape, generator=generator)
+        host.optimizer.step()
+    return host
+
+
+def _fsdp_snapshot(host):
+    return (
+        [p.detach().clone() for p in host.params],
+        {
+            position(host.params, p): {k: v.clone() for k, v in e.items()}
+            for p, e in host.optimizer.state.items()
+        },
+        [{k: v for k, v in g.items() if k != "params"} for g in host.optimizer.param_groups],
+    )
+
+
+FSDP_BAD_INPUTS = {
+    "transposed moment": (lambda sd: sd["state"][0].update(exp_avg=sd["state"][0]["exp_avg"].T)),
+    "nan moment": (lambda sd: sd["state"][1]["exp_avg_sq"].fill_(math.nan)),
+    "missing moment": (lambda sd: sd["state"][2].pop("exp_avg_sq")),
+    "negative step": (lambda sd: sd["state"][0].update(step=torch.tensor(-1.0))),
+    "one group less": (lambda sd: sd["param_groups"].pop()),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(FSDP_BAD_INPUTS))
+def test_a_megatron_fsdp_load_checks_everything_before_the_optimizer_loads(bad):
+    """Megatron-FSDP hands the state dict to the wrapped optimizer, whose own load would take
+    a transposed or NaN moment, a missing one or a negative step and fail (or train on it)
+    later: the plan refuses them first, the learning rate saved with them included."""
+    source = _trained_fsdp_host(seed=1)
+    state_dict = copy.deepcopy(source.optimizer.state_dict())
+    for group in state_dict["param_groups"]:
+        group["lr"] = 0.5
+    FSDP_BAD_INPUTS[bad](state_dict)
+    host = _trained_fsdp_host(seed=2)
+    before = _fsdp_snapshot(host)
+    with pytest.raises((KeyError, ValueError)):
+        host.load_state_dict_for_test(state_dict)
+    after = _fsdp_snapshot(host)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert before[1].keys() == after[1].keys()
+    for index, entry in before[1].items():
+        assert all(torch.equal(v, after[1][index][k]) for k, v in entry.items())
+    assert before[2] == after[2]
+
+
+def test_a_megatron_fsdp_load_of_a_good_state_dict_resumes():
+    source = _trained_fsdp_host(seed=1)
+    host = _trained_fsdp_host(seed=2)
+    with torch.no_grad():
+        for param, saved in zip(host.params, source.params):
+            param.copy_(saved)
+    host.load_state_dict_for_test(copy.deepcopy(source.optimizer.state_dict()))
+    for param in source.params:
+        twin = host.params[position(source.params, param)]
+        for key, value in source.optimizer.state[param].items():
+            assert torch.equal(host.optimizer.state[twin][key], value)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,21 +19,21 @@ import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import hdo_client_flows as flows
+    from single_rank import fixture_parallel_state  # noqa: F401  pylint: disable=unused-import
     from test_hybrid_optimizer_in_distributed_optimizer import (  # pylint: disable=unused-import
         batches,
         build,
         load_dist,
-        parallel_state,
         save_dist,
         train,
     )
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import hdo_client_flows as flows
+    from tests.unit_tests.single_rank import fixture_parallel_state  # noqa: F401
     from tests.unit_tests.test_hybrid_optimizer_in_distributed_optimizer import (  # noqa: F401
         batches,
         build,
         load_dist,
-        parallel_state,
         save_dist,
         train,
     )

@@ -775,14 +775,6 @@ class DistributedOptimizer(
             self.inner_state.set_step(int(next(iter(steps))))
             self.inner_state.finish_load()
 
-    def _load_state_dict_megatron_fsdp(self, state_dict):
-        """Megatron-FSDP: the wrapped optimizer loads the state dict itself."""
-        if "param_to_group_meta" in state_dict:
-            state_dict["param_groups"] = self._param2group_meta_to_param_groups(
-                state_dict.pop("param_to_group_meta"), self.optimizer.param_groups
-            )
-        self.optimizer.load_state_dict(state_dict)
-
     def _load_grad_scaler_state(self, state_dict):
         """Restore the grad scaler, telling why when it cannot be."""
         if "grad_scaler" not in state_dict:

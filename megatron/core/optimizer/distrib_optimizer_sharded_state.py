@@ -54,6 +54,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.dist_checkpointing.optimizer import KEEP_VARS_HINT
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.distrib_optimizer_formats import (
     DEFAULT_SHARDING_TYPE,
     FORMATS,
@@ -461,6 +462,27 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         for key, value in self.state.items():
             state[self._param_name(key) if isinstance(key, torch.Tensor) else key] = value
         return {"state": state, "param_to_group_meta": param_to_group_meta}
+
+    def _load_state_dict_megatron_fsdp(self, state_dict):
+        """Megatron-FSDP: the wrapped optimizer loads the state dict itself, once every rank
+        has checked its share against the optimizer's groups and parameters (counts, state
+        keys, shapes, steps, non-finite values) and nothing has changed before."""
+        problem = None
+        try:
+            if "param_to_group_meta" in state_dict:
+                state_dict["param_groups"] = self._param2group_meta_to_param_groups(
+                    state_dict.pop("param_to_group_meta"), self.optimizer.param_groups
+                )
+            checks.plan_optimizer_state_dict(
+                state_dict,
+                self.optimizer.param_groups,
+                f"{type(self).__name__}.load_state_dict (Megatron-FSDP)",
+                live_keys={k for entry in self.optimizer.state.values() for k in entry},
+            )
+        except Exception as error:  # pylint: disable=broad-exception-caught
+            problem = error
+        self._agree_on_plan(problem)
+        self.optimizer.load_state_dict(state_dict)
 
     # ------------------------------------------------------------------------------------
     # dp_zero_gather_scatter (deprecated)

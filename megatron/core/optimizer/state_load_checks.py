@@ -130,6 +130,87 @@ def scan_nonfinite(tensors: Iterable[Tuple[str, str, Any]], source: str) -> None
     report_nonfinite(found, source)
 
 
+def plan_optimizer_state_dict(
+    state_dict: Any,
+    param_groups: Sequence[dict],
+    name: str,
+    live_keys: Iterable[str] = (),
+    optional_keys: Iterable[str] = ("step",),
+    own_tensors: Iterable[int] = (),
+) -> dict:
+    """Check a torch-style optimizer state dict against ``param_groups``, changing nothing.
+
+    Checked: the ``state`` and ``param_groups`` keys, the group and parameter counts (paired
+    in order, as torch pairs them), that every entry names a listed parameter, that all
+    entries hold the same state keys (and ``live_keys``) but for ``optional_keys``, step
+    counters (:func:`step_value`), state shapes (:func:`check_state_shape`), and non-finite
+    values (:func:`scan_nonfinite`; the local shard of a DTensor).
+
+    Args:
+        state_dict: what ``optimizer.state_dict()`` returned.
+        param_groups: the optimizer's groups.
+        name: what is loading, for the messages.
+        live_keys: state keys the optimizer already keeps for its parameters.
+        optional_keys: keys an entry may lack (and that are no per-element state).
+        own_tensors: ``id()`` of tensors the optimizer itself holds (its own state coming
+            back), which are not scanned again.
+
+    Returns:
+        dict: parameter -> a copy of its saved entry, number steps made tensors (as torch's
+        Adam makes them).
+
+    Raises:
+        KeyError, ValueError: naming the problem and the parameter's id in the checkpoint.
+    """
+    for required in ("state", "param_groups"):
+        if required not in state_dict:
+            raise KeyError(f"{name}: the state dict has no '{required}' key")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(
+            f"{name}: the checkpoint has {len(saved_groups)} param groups, "
+            f"this optimizer has {len(param_groups)}"
+        )
+    id_to_param = {}
+    for index, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"{name}: param group {index} has {len(saved['params'])} "
+                f"parameters in the checkpoint and {len(group['params'])} here"
+            )
+        if saved.get("step") is not None:
+            step_value(saved["step"], f"{name}: param group {index}")
+        id_to_param.update(zip(saved["params"], group["params"]))
+    optional = set(optional_keys)
+    expected = set(live_keys) - optional
+    expected |= {k for e in state_dict["state"].values() for k in e if k not in optional}
+    own = set(own_tensors)
+    planned, loaded = {}, []
+    for param_id, entry in state_dict["state"].items():
+        param = id_to_param.get(param_id)
+        where = f"{name}: parameter {param_id!r}"
+        if param is None:
+            raise KeyError(f"{where} has state in the checkpoint but no param group lists it")
+        missing = sorted(expected - set(entry))
+        if missing:
+            raise KeyError(f"{where} lacks state {missing} that the others have")
+        planned[param] = values = dict(entry)
+        for key, value in entry.items():
+            if key == "step":
+                step = step_value(value, where)
+                if not isinstance(step, torch.Tensor):
+                    values[key] = torch.tensor(float(step), dtype=torch.float32)
+            elif isinstance(value, torch.Tensor):
+                check_state_shape(value, param.shape, key, where)
+                if id(value) not in own:
+                    local = (
+                        value.to_local() if callable(getattr(value, "to_local", None)) else value
+                    )
+                    loaded.append((f"parameter {param_id!r}", key, local))
+    scan_nonfinite(loaded, f"the {name} state dict")
+    return planned
+
+
 def report_nonfinite(found: List[Tuple[str, str, int]], source: str) -> None:
     """Act on non-finite values found in a checkpoint, as the policy says.
 

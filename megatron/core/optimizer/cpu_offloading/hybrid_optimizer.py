@@ -403,9 +403,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         each download waits for the previous bucket's step. What is pinned (the slots, then
         the host copies in order) stays within what upstream keeps pinned for the same
         parameters, both counted in the power-of-two blocks the host allocator holds (see
-        :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not as a whole. The copies left pageable are the last to upload; where their
-        bucket's slot is free by then (no download follows), they are staged through it (see
-        ``_upload``).
+        :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not as a
+        whole. The copies left pageable are the last to upload; where their bucket's slot is
+        free by then (no download follows), they are staged through it (see ``_upload``).
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._buckets: List[_Bucket] = []
@@ -877,66 +877,25 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def _plan_load(self, state_dict) -> Dict[torch.Tensor, Dict[str, Any]]:
-        """Check everything a load will write, changing nothing; return it per parameter.
+        """Check everything a load will write, changing nothing; return it per parameter
+        (:func:`~megatron.core.optimizer.state_load_checks.plan_optimizer_state_dict`).
 
-        Checked: the state dict's keys, the group and parameter counts, that every entry
-        names a listed parameter, that all entries hold the same state keys (and those the
-        live state has), step counters (whole, finite, non-negative numbers; numbers become
-        tensors, as torch's Adam makes them), state shapes (the parameter's, or flat), and
-        non-finite values in moments and master weights (see ``state_load_checks``).
+        The step and the master copies are no state every entry must hold: sub-optimizers of
+        two kinds (TE FusedAdam in place, torch AdamW on the host) keep the step in different
+        places. The optimizer's own tensors coming back (a reload of its own state dict, as
+        the distributed optimizer does) were checked when they were loaded.
 
         Raises:
             KeyError, ValueError: naming the problem and the parameter's id in the checkpoint.
         """
-        name = f"{type(self).__name__}.load_state_dict"
-        for required in ("state", "param_groups"):
-            if required not in state_dict:
-                raise KeyError(f"{name}: the state dict has no '{required}' key")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"{name}: the checkpoint has {len(saved_groups)} param groups, "
-                f"this optimizer has {len(self.param_groups)}"
-            )
-        id_to_param = {}
-        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"{name}: param group {index} has {len(saved['params'])} "
-                    f"parameters in the checkpoint and {len(group['params'])} here"
-                )
-            if saved.get("step") is not None:
-                checks.step_value(saved["step"], f"{name}: param group {index}")
-            id_to_param.update(zip(saved["params"], group["params"]))
-        # The step is no per-element state, and sub-optimizers of two kinds (TE FusedAdam in
-        # place, torch AdamW on the host) keep it in different places.
-        per_element = {MASTER, "step"}
-        live_keys = {k for e in self._entries.values() for k in e if k not in per_element}
-        saved_keys = {k for e in state_dict["state"].values() for k in e if k not in per_element}
-        # The optimizer's own tensors coming back (a reload of its own state dict, as the
-        # distributed optimizer does) were checked when they were loaded.
-        own = {id(v) for e in self._entries.values() for v in e.values() if torch.is_tensor(v)}
-        planned, loaded_tensors = {}, []
-        for param_id, entry in state_dict["state"].items():
-            param = id_to_param.get(param_id)
-            where = f"{name}: parameter {param_id!r}"
-            if param is None:
-                raise KeyError(f"{where} has state in the checkpoint but no param group lists it")
-            missing = sorted((saved_keys | live_keys) - set(entry))
-            if missing:
-                raise KeyError(f"{where} lacks state {missing} that the others have")
-            planned[param] = values = dict(entry)
-            for key, value in entry.items():
-                if key == "step":
-                    step = checks.step_value(value, where)
-                    if not isinstance(step, torch.Tensor):
-                        values[key] = torch.tensor(float(step), dtype=torch.float32)
-                elif isinstance(value, torch.Tensor):
-                    checks.check_state_shape(value, param.shape, key, where)
-                    if id(value) not in own:
-                        loaded_tensors.append((f"parameter {param_id!r}", key, value))
-        checks.scan_nonfinite(loaded_tensors, "the HybridDeviceOptimizer state dict")
-        return planned
+        return checks.plan_optimizer_state_dict(
+            state_dict,
+            self.param_groups,
+            f"{type(self).__name__}.load_state_dict",
+            live_keys={k for e in self._entries.values() for k in e},
+            optional_keys=(MASTER, "step"),
+            own_tensors={id(v) for e in self._entries.values() for v in e.values()},
+        )
 
     @staticmethod
     def _settle_loaded_state(self, state_dict):
