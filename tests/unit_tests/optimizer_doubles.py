@@ -70,8 +70,8 @@ class FusedAdamDouble(torch.optim.Optimizer):
 
     * constructor flags ``master_weights``, ``master_weight_dtype``, ``exp_avg_dtype``,
       ``exp_avg_sq_dtype``, ``store_param_remainders`` (kept only for fp32 master weights) and
-      ``capturable``; ``name_to_dtype_map`` and ``_scales`` (one fp32 ``[1]`` scale per
-      non-fp32 state of a parameter);
+      ``capturable``; ``name_to_dtype_map``, ``dtype_to_range_map`` and ``_scales`` (one fp32
+      ``[1]`` scale per non-fp32 state of a parameter);
     * ``_initialize_state`` allocates one tensor shaped like the parameter in the mapped dtype
       (int16 zeros for remainders) and a fresh scale for non-fp32 dtypes;
     * ``set_scaled_state`` takes an fp32 value (int16 for remainders), allocates the state if
@@ -121,6 +121,10 @@ class FusedAdamDouble(torch.optim.Optimizer):
             "master_param": master_weight_dtype,
         }
         self._scales = {}
+        self.dtype_to_range_map = {
+            dtype: torch.full([1], limit, dtype=torch.float32)
+            for dtype, limit in self.RANGES.items()
+        }
         self.store_param_remainders = (
             store_param_remainders and master_weights and master_weight_dtype == torch.float32
         )

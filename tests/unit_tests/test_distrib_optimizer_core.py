@@ -1368,7 +1368,8 @@ def test_scaffold_lives_on_the_parameter_device_on_cuda():
 # --------------------------------------------------------------------------------------------
 
 
-def _hybrid(param_groups, lr):
+def _hybrid(param_groups, lr, **options):
+    """An HDO offloading half its parameters, torch AdamW on both halves."""
     # pylint: disable=import-outside-toplevel
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
@@ -1378,6 +1379,7 @@ def _hybrid(param_groups, lr):
         cpu_optimizer_cls=torch.optim.AdamW,
         gpu_optimizer_cls=torch.optim.AdamW,
         lr=lr,
+        **options,
     )
 
 

@@ -420,3 +420,30 @@ def test_precision_aware_state_is_allocated_as_the_first_step_would_make_it(opti
             assert torch.equal(value, reference.state[param][key]), key
         assert optimizer._scales.get(param, {}).keys() == reference._scales.get(param, {}).keys()
     assert "step" not in optimizer.param_groups[0]
+
+
+def test_fp16_moments_from_a_callers_host_tensors_are_scaled_as_the_optimizer_scales():
+    """fp16 moments written from host fp32 tensors are scaled on the host: the same state and
+    scales as the optimizer's ``set_scaled_state``, and the caller's tensors are not divided
+    in place (they may be a plain parameter-state dict the caller keeps)."""
+    generator = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in SHAPES]
+    options = dict(master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    optimizer = FusedAdamDouble([{"params": params}], lr=1e-2, **options)
+    reference = FusedAdamDouble([{"params": params}], lr=1e-2, **options)
+    access = InnerOptimizerState(optimizer, ADAM_KEYS, precision_aware=True)
+    access.materialise()
+    for param in params:
+        reference.initialize_state(param, False)
+        saved = {
+            "param": torch.randn(param.shape, generator=generator),
+            "exp_avg": torch.randn(param.shape, generator=generator) * 1e-3,
+            "exp_avg_sq": torch.rand(param.shape, generator=generator) * 1e-6,
+        }
+        pristine = {k: v.clone() for k, v in saved.items()}
+        access.write(param, saved)
+        assert all(torch.equal(saved[k], pristine[k]) for k in saved)
+        for key in ADAM_KEYS:
+            reference.set_scaled_state(param, key, pristine[key].clone())
+            assert torch.equal(optimizer.state[param][key], reference.state[param][key])
+            assert torch.equal(optimizer._scales[param][key], reference._scales[param][key])

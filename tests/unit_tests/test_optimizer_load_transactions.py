@@ -254,14 +254,7 @@ def test_a_hundred_hdo_load_cycles_keep_memory_and_tensor_count_flat():
 
 
 def _hdo_inner(groups, lr):
-    return HybridDeviceOptimizer(
-        groups,
-        offload_fraction=0.5,
-        cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW,
-        param_update_in_fp32=True,
-        lr=lr,
-    )
+    return core._hybrid(groups, lr, param_update_in_fp32=True)  # pylint: disable=protected-access
 
 
 INNERS = {"torch_adamw": torch.optim.AdamW, "hdo": _hdo_inner}

@@ -47,36 +47,12 @@ def _collective_device(group: torch.distributed.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-_PORTABLE_ERRORS = (ValueError, KeyError, TypeError, RuntimeError, FileNotFoundError)
-
-
-def _raise_on_every_rank(
-    problem: Optional[BaseException], group: torch.distributed.ProcessGroup, device: torch.device
-) -> None:
-    """Raise rank 0's verdict on every rank of ``group``.
-
-    Only rank 0 holds the file, so only it can find fault with it; the other ranks would
-    otherwise wait forever in the scatter that rank 0 never joins.
-    """
-    if group.size() > 1:
-        # Any exception may reach rank 0 (from torch.load, say); the others get a plain copy
-        # that surely pickles.
-        portable = problem
-        if problem is not None and type(problem) not in _PORTABLE_ERRORS:
-            portable = RuntimeError(f"{type(problem).__name__}: {problem}")
-        elif problem is not None:
-            portable = type(problem)(*problem.args)
-        verdict = [portable]
-        torch.distributed.broadcast_object_list(
-            verdict,
-            src=torch.distributed.get_global_rank(group, 0),
-            group=group,
-            device=device if device.type == "cuda" else None,
-        )
-        if problem is None:
-            problem = verdict[0]
-    if problem is not None:
-        raise problem
+# Errors a rank re-raises under their own type when another rank met them; anything else
+# (from torch.load, say) becomes a RuntimeError carrying its name.
+_PORTABLE_ERRORS = {
+    error.__name__: error
+    for error in (ValueError, KeyError, TypeError, RuntimeError, FileNotFoundError)
+}
 
 
 def _raise_if_any_rank_fails(
@@ -84,13 +60,14 @@ def _raise_if_any_rank_fails(
 ) -> None:
     """Raise on every rank of ``group`` when any rank's plan failed.
 
-    Each rank checks the pieces it owns, so a fault in one rank's share of a checkpoint is
-    seen there alone; without this the other ranks would write their shares and train on,
-    and the next collective would hang or mix loaded and unloaded shards. A rank that failed
-    raises its own error; the others name the first failing rank and its error.
+    Each rank checks the pieces it owns (a dp_zero state only rank 0, which holds it), so a
+    fault in one rank's share of a checkpoint is seen there alone; without this the other
+    ranks would write their shares and train on, or wait forever in a scatter rank 0 never
+    joins. A rank that failed raises its own error; the others raise the first failing
+    rank's, under its type where that is a plain one, naming the rank.
     """
     if group.size() > 1:
-        verdict = None if problem is None else f"{type(problem).__name__}: {problem}"
+        verdict = None if problem is None else (type(problem).__name__, str(problem))
         verdicts = [None] * group.size()
         gather = torch.distributed.all_gather_object
         if device.type == "cuda":
@@ -98,12 +75,12 @@ def _raise_if_any_rank_fails(
                 gather(verdicts, verdict, group=group)
         else:
             gather(verdicts, verdict, group=group)
-        failed = [(rank, text) for rank, text in enumerate(verdicts) if text is not None]
+        failed = [(rank, found) for rank, found in enumerate(verdicts) if found is not None]
         if problem is None and failed:
-            rank, text = failed[0]
-            raise RuntimeError(
+            rank, (name, text) = failed[0]
+            raise _PORTABLE_ERRORS.get(name, RuntimeError)(
                 f"data-parallel rank {rank} refused its share of the checkpoint, so no rank "
-                f"loads it ({len(failed)} of {group.size()} ranks failed): {text}"
+                f"loads it ({len(failed)} of {group.size()} ranks failed): {name}: {text}"
             )
     if problem is not None:
         raise problem
@@ -561,13 +538,17 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
                 problem = _naming_the_file(error, filename)
         else:
             filename = None
-        try:
-            write = self._plan_dp_zero_param_state(state_dict, update_legacy_format, problem)
-        except (KeyError, ValueError) as error:
-            if filename is None or str(filename) in str(error):
-                raise
-            raise type(error)(f"{filename}: {error.args[0] if error.args else ''}") from error
-        self._load_planned("load_parameter_state", state_dict, lambda _: write)
+
+        def plan(state):
+            try:
+                return self._plan_dp_zero_param_state(state, update_legacy_format, problem)
+            except (KeyError, ValueError) as error:
+                if filename is None or str(filename) in str(error):
+                    raise
+                message = f"{filename}: {error.args[0] if error.args else ''}"
+                raise type(error)(message) from error
+
+        self._load_planned("load_parameter_state", state_dict, plan)
 
     def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format=False):
         """Scatter a ``dp_zero`` state held by data-parallel rank 0 into every rank's shards.
@@ -628,32 +609,31 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
         return list(joined.split(list(new_numels)))
 
     def _plan_dp_zero_param_state(self, state_dict, legacy: bool, problem=None):
-        """Check a dp_zero state on rank 0 and agree on the verdict; return what scatters it.
+        """Check a dp_zero state on rank 0; return what scatters it. The other ranks have
+        nothing to check: the agreement after every plan (``_agree_on_plan``) gives them rank
+        0's verdict.
 
         Args:
             state_dict: the state on data-parallel rank 0 (anything elsewhere).
             legacy: the pre-coalescing format.
-            problem: an error rank 0 already met reading it (raised on every rank).
+            problem: an error rank 0 already met reading it (raised here).
         """
-        group, device = self._param_state_group()
-        is_root = group.rank() == 0
+        group, _ = self._param_state_group()
         per_bucket = None
-        if is_root and problem is None:
-            try:
-                per_bucket = self._dp_zero_bucket_states(state_dict, legacy)
-                checks.scan_nonfinite(
-                    (
-                        (f"bucket {index} of buffer {gbuf_idx}", key, value)
-                        for gbuf_idx, buckets in per_bucket.items()
-                        for index, bucket in enumerate(buckets)
-                        for key, value in bucket.items()
-                    ),
-                    "the dp_zero parameter state",
-                )
-            except Exception as error:  # pylint: disable=broad-exception-caught
-                problem = error
-        _raise_on_every_rank(problem if is_root else None, group, device)
-        return lambda: self._scatter_dp_zero_state(per_bucket if is_root else None)
+        if group.rank() == 0:
+            if problem is not None:
+                raise problem
+            per_bucket = self._dp_zero_bucket_states(state_dict, legacy)
+            checks.scan_nonfinite(
+                (
+                    (f"bucket {index} of buffer {gbuf_idx}", key, value)
+                    for gbuf_idx, buckets in per_bucket.items()
+                    for index, bucket in enumerate(buckets)
+                    for key, value in bucket.items()
+                ),
+                "the dp_zero parameter state",
+            )
+        return lambda: self._scatter_dp_zero_state(per_bucket)
 
     @torch.no_grad()
     def _scatter_dp_zero_state(self, per_bucket) -> None:

@@ -462,9 +462,8 @@ class ScaledFusedAdamState(InnerOptimizerState):
         computing on the host: ``set_scaled_state`` would first copy the whole piece to the
         accelerator in fp32. The arithmetic is IEEE fp32 either side, so the result is the
         same bits. Returns False, doing nothing, where the optimizer does not keep what that
-        takes (then ``set_scaled_state`` stores it).
-
-        ``unscaled`` is divided in place, as ``set_scaled_state`` divides its input.
+        takes (then ``set_scaled_state`` stores it). ``unscaled`` is left as it is: it may be
+        a caller's tensor (a plain parameter-state dict).
         """
         live = self.optimizer.state[param].get(key)
         ranges = getattr(self.optimizer, "dtype_to_range_map", None)
@@ -482,8 +481,7 @@ class ScaledFusedAdamState(InnerOptimizerState):
         low, high = torch.aminmax(unscaled)
         host_scale = torch.maximum(-low, high).to(torch.float32).reshape(1) / max_range
         inverse = torch.where(host_scale > 0, host_scale.reciprocal(), 0.0)
-        unscaled.mul_(inverse)
-        live.copy_(unscaled)
+        live.copy_(unscaled * inverse)
         scale.copy_(host_scale.reshape(scale.shape))
         return True
 
