@@ -27,6 +27,7 @@ Needs CUDA and Transformer Engine (rows needing TE are reported as skipped witho
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -84,6 +85,13 @@ def _cell(value, digits=2):
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _spread(times):
+    """`` (n runs, min-max s)`` after the median load time, when there are several runs."""
+    if len(times) < 2:
+        return ""
+    return f"  ({len(times)} runs, {min(times):.3f}-{max(times):.3f} s)"
+
+
 def report(table, out=sys.stdout):
     """Print one block per row: upstream and fork, each phase's peak and what stays after it."""
     for row, by_side in table.items():
@@ -116,35 +124,54 @@ def report(table, out=sys.stdout):
                 f"  {side:9} {item['state_set_mib']:8.0f} {_cell(item['state_sets']):>6} | "
                 + " | ".join(f"{c:>27}" for c in cells)
                 + f" | {_cell(item['peak']):>5} {_cell(item['load_s'], 3):>7} "
-                + ("yes" if item["exact"] else "NO"),
+                + ("yes" if item["exact"] else "NO")
+                + _spread(item.get("load_s_all") or []),
                 file=out,
             )
             if item.get("error"):
                 print(f"  {'':9} error: {item['error'][:300]}", file=out)
 
 
-def run(rows, shape, nproc, steps_before, steps_after, log_dir=None):
-    """Measure ``rows`` for both implementations; returns ``{row: {side: figures}}``."""
+def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1):
+    """Measure ``rows`` for both implementations; returns ``{row: {side: figures}}``.
+
+    With ``repeats`` above 1 each implementation trains, saves and loads again, the order of
+    the two alternating, so that a slower machine phase does not fall on one side only. Memory
+    figures and exactness are the first run's; ``load_s`` is the median and ``load_s_all``
+    every run's load time.
+    """
     cases = [distopt_resume.Case.parse(ROWS[row]) for row in rows]
     table = {row: {} for row in rows}
-    for side in IMPLEMENTATIONS:
-        results = distopt_resume.drive(
-            cases,
-            [(side, side)],
-            nproc,
-            steps_before,
-            steps_after,
-            side_by_side=False,
-            shape=shape,
-            log_dir=log_dir and str(Path(log_dir) / f"logs_{side}"),
-        )
-        for row, case in zip(rows, cases):
-            result = results.get(case.key(nproc, side, side), {"error": "no result"})
-            table[row][side] = (
-                {"skipped": result["skipped"]} if result.get("skipped") else figures(result)
+    for repeat in range(repeats):
+        order = IMPLEMENTATIONS if repeat % 2 == 0 else IMPLEMENTATIONS[::-1]
+        for side in order:
+            logs = log_dir and str(Path(log_dir) / f"logs_{side}_{repeat}")
+            results = distopt_resume.drive(
+                cases,
+                [(side, side)],
+                nproc,
+                steps_before,
+                steps_after,
+                side_by_side=False,
+                shape=shape,
+                log_dir=logs,
             )
-            table[row][side]["raw"] = result
+            for row, case in zip(rows, cases):
+                result = results.get(case.key(nproc, side, side), {"error": "no result"})
+                _add_run(table[row], side, result)
     return table
+
+
+def _add_run(by_side, side, result):
+    """Fold one run of one row and implementation into its figures."""
+    if side not in by_side:
+        by_side[side] = {"skipped": result["skipped"]} if result.get("skipped") else figures(result)
+        by_side[side]["raw"] = result
+        by_side[side]["load_s_all"] = []
+    if result.get("load_seconds") is not None and not result.get("error"):
+        by_side[side]["load_s_all"].append(result["load_seconds"])
+    if by_side[side]["load_s_all"]:
+        by_side[side]["load_s"] = statistics.median(by_side[side]["load_s_all"])
 
 
 def build_parser():
@@ -169,6 +196,12 @@ def build_parser():
     parser.add_argument("--nproc-per-node", type=int, default=1, help="data-parallel ranks")
     parser.add_argument("--steps-before", type=int, default=2, help="steps before the save")
     parser.add_argument("--steps-after", type=int, default=2, help="steps after the resume")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per implementation, alternating which goes first; load time is the median",
+    )
     parser.add_argument("--out", help="write the figures (and each raw result) as JSON here")
     parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")
     return parser
@@ -187,7 +220,13 @@ def main(argv=None):
         flush=True,
     )
     table = run(
-        args.rows, shape, args.nproc_per_node, args.steps_before, args.steps_after, args.log_dir
+        args.rows,
+        shape,
+        args.nproc_per_node,
+        args.steps_before,
+        args.steps_after,
+        args.log_dir,
+        max(1, args.repeats),
     )
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1, default=str), encoding="utf-8")

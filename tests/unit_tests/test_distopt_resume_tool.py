@@ -321,6 +321,29 @@ def test_load_memory_reports_phases_in_state_sets():
     assert offloaded["read_peak"] is None and offloaded["read_peak_mib"] == 7
 
 
+def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypatch):
+    """Repeated runs swap which implementation goes first; memory figures come from the first
+    run, the load time is the median of all."""
+    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_repeats")
+    order = []
+
+    def drive(cases, pairs, *_, **__):
+        side = pairs[0][0]
+        order.append(side)
+        state = {"gpu_moments": 2**20, "gpu_all": 2**20 * len(order)}
+        result = {"optimizer_state_bytes": state, "load_seconds": float(len(order))}
+        return {case.key(1, side, side): dict(result, exact=True) for case in cases}
+
+    monkeypatch.setattr(benchmark.distopt_resume, "drive", drive)
+    row = "bf16-dp_reshardable"
+    table = benchmark.run([row], None, 1, 2, 2, repeats=3)
+    assert order == ["upstream", "fork", "fork", "upstream", "upstream", "fork"]
+    fork = table[row]["fork"]
+    assert fork["load_s_all"] == [2.0, 3.0, 6.0] and fork["load_s"] == 3.0
+    assert fork["state_sets"] == 2.0  # the first run's figures
+    assert table[row]["upstream"]["load_s"] == 4.0
+
+
 def test_one_table_feeds_the_command_line_the_main_job_and_the_benchmark(monkeypatch):
     """A row added to the table reaches the resume command line's choices, the cases it builds
     and the main job's selection, with nothing else edited: no consumer keeps a list of its own.
