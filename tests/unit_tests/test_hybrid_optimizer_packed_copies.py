@@ -11,15 +11,12 @@ host copies; with CUDA the copies cross the bus through pinned slots and side st
 """
 
 import itertools
-import threading
 
 import pytest
 import torch
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-
-copies = pytest.importorskip("megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies")
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     from test_optimizer_cpu_offloading import train_drawn
@@ -212,82 +209,3 @@ def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
     pinned = [b.master.is_pinned() for b in optimizer._buckets if b.master is not None]
     assert pinned == sorted(pinned, reverse=True)
     del params, optimizer
-
-
-def test_work_beside_runs_in_a_worker_during_the_body_with_the_callers_grad_mode():
-    worker_started, seen = threading.Event(), {}
-
-    def work():
-        worker_started.set()
-        seen.update(thread=threading.current_thread().name, grad=torch.is_grad_enabled())
-
-    with torch.no_grad(), copies.run_beside(work, in_thread=True):
-        # Run after the body instead, the work would never have started by now.
-        seen["during_body"] = worker_started.wait(timeout=10)
-    assert seen == {"during_body": True, "thread": "hdo-host-steps", "grad": False}
-
-    order = []
-    with copies.run_beside(lambda: order.append(threading.current_thread()), in_thread=False):
-        order.append("body")
-    assert order == ["body", threading.current_thread()]
-
-
-def test_work_beside_reraises_and_is_waited_for_when_the_body_fails():
-    def fails():
-        raise ValueError("host step failed")
-
-    with pytest.raises(ValueError, match="host step failed"):
-        with copies.run_beside(fails, in_thread=True):
-            pass
-    finished = []
-
-    def slow():
-        threading.Event().wait(0.2)
-        finished.append(True)
-
-    with pytest.raises(KeyError):
-        with copies.run_beside(slow, in_thread=True):
-            raise KeyError("the in-place step failed")
-    assert finished == [True]  # no worker left running behind the error
-
-
-@requires_cuda
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_host_buckets_step_in_a_worker_beside_the_in_place_step_exactly(fraction, monkeypatch):
-    """With an in-place share, the host buckets step in a worker thread; the result is the
-    same as stepping them after the in-place step on the caller's thread. Without one there
-    is nothing to overlap, and no worker."""
-    threads = set()
-    real_step = torch.optim.AdamW.step
-
-    def recording_step(self, *args, **kwargs):
-        if all(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
-            threads.add(threading.current_thread().name)
-        return real_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
-    threaded = run(fraction, BUCKET_NUMEL, monkeypatch, param_update_in_fp32=True)
-    assert threads == ({"hdo-host-steps"} if fraction < 1 else {threading.current_thread().name})
-
-    def on_the_callers_thread(work, in_thread):  # pylint: disable=unused-argument
-        return copies.run_beside(work, in_thread=False)
-
-    monkeypatch.setattr(hybrid_optimizer, "run_beside", on_the_callers_thread)
-    threads.clear()
-    assert_same(threaded, run(fraction, BUCKET_NUMEL, monkeypatch, param_update_in_fp32=True))
-    assert threads == {threading.current_thread().name}
-
-
-@requires_cuda
-def test_a_host_step_error_in_the_worker_reaches_the_caller(monkeypatch):
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", BUCKET_NUMEL)
-    params = make_params()
-    optimizer = make_optimizer(params, 0.5, param_update_in_fp32=True)
-    train(params, optimizer, 1, seed=1)
-
-    def broken(*_, **__):
-        raise RuntimeError("host AdamW failed")
-
-    monkeypatch.setattr(optimizer._buckets[0].optimizer, "step", broken)
-    with pytest.raises(RuntimeError, match="host AdamW failed"):
-        train(params, optimizer, 1, seed=2)

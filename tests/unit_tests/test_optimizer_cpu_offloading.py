@@ -414,11 +414,8 @@ def test_placement_follows_the_tensors_when_both_classes_are_equal():
     }
     assert host_inner == {id(t) for t in optimizer.gpu_params_map_cpu_copy.values()}
     train(params, optimizer, 1, seed=1)
-    hosts = list(optimizer.gpu_params_map_cpu_copy.values())
-    assert all(host.device.type == "cpu" for host in hosts)
-    # The first step pins host copies within upstream's pinned budget, first come first.
-    pinned = [host.is_pinned() for host in hosts]
-    assert any(pinned) == torch.cuda.is_available()
+    # Whether a host copy is pinned is the pinning plan's call (tests of the packed copies).
+    assert all(host.device.type == "cpu" for host in optimizer.gpu_params_map_cpu_copy.values())
     for param in params:
         state = optimizer.state[param]
         assert state["exp_avg"].device == optimizer.param_to_inner_param[param].device

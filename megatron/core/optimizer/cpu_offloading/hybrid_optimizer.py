@@ -39,7 +39,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     pack_host_copies,
     pinned_block_bytes,
     plan_pinned_host_memory,
-    run_beside,
     slot_sizes,
     upstream_pinned_bytes,
 )
@@ -579,16 +578,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 stream.wait_stream(torch.cuda.current_stream())
         steps_before = [sub_group.get("step") for sub_group, _ in self._sub_groups]
 
+        # D2H -> host step -> H2D, one bucket after the other. A bucket's slot is free again
+        # once its host step has returned (the upload reads the host copy, not the slot), so
+        # that is when the download of the bucket that reuses the slot is queued.
         for index in self._ring_plan.first_downloads:
             self._download(index)
-        # The in-place step's Python (a loop over its parameters) and kernel launches run on
-        # this thread while a worker steps the host buckets, so neither waits for the other.
-        overlap = self.gpu_optimizer is not None and bool(self._buckets)
-        with run_beside(
-            self._step_host_buckets, in_thread=overlap and self._d2h_stream is not None
-        ):
-            if self.gpu_optimizer is not None:
-                self.gpu_optimizer.step()
+        if self.gpu_optimizer is not None:
+            self.gpu_optimizer.step()
+        for bucket in self._buckets:
+            event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
+            if event is not None:
+                event.synchronize()
+            bucket.optimizer.step()
+            if bucket.follower is not None:
+                self._download(bucket.follower)
+            self._upload(bucket, staged_in_slot=bucket.follower is None)
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
@@ -604,22 +608,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
-
-    def _step_host_buckets(self):
-        """D2H -> host step -> H2D, one bucket after the other.
-
-        A bucket's slot is free again once its host step has returned (the upload reads the
-        host copy, not the slot), so that is when the download of the bucket that reuses the
-        slot is queued.
-        """
-        for bucket in self._buckets:
-            event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
-            if event is not None:
-                event.synchronize()
-            bucket.optimizer.step()
-            if bucket.follower is not None:
-                self._download(bucket.follower)
-            self._upload(bucket, staged_in_slot=bucket.follower is None)
 
     def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
         """Give the inner tensors stepped in place their gradients for this step.

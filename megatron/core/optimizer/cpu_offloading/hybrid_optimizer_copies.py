@@ -10,7 +10,6 @@ into one flat block so that each direction is one copy.
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -193,40 +192,3 @@ def _widened(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]
 def _on_stream(stream):
     """``torch.cuda.stream(stream)``, or nothing on a host without CUDA."""
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
-
-
-@contextlib.contextmanager
-def run_beside(work: Callable[[], None], in_thread: bool):
-    """Run ``work`` beside the body of the ``with`` block: in a worker thread started on entry
-    (with the caller's CUDA device and grad mode, both thread-local), or after the body when
-    not ``in_thread``. Leaving the block waits for ``work`` and re-raises what it raised; an
-    error of the body itself still waits for the worker first.
-
-    torch releases the GIL inside its kernels, so a host optimizer step in the worker overlaps
-    the caller's Python and kernel launches.
-    """
-    if not in_thread:
-        yield
-        work()
-        return
-    failure = []
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    grad_enabled = torch.is_grad_enabled()
-
-    def worker():
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            with torch.set_grad_enabled(grad_enabled):
-                work()
-        except BaseException as error:  # pylint: disable=broad-exception-caught
-            failure.append(error)  # raised again on the caller's thread
-
-    thread = threading.Thread(target=worker, name="hdo-host-steps", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
-    if failure:
-        raise failure[0]
