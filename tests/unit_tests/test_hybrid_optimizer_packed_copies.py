@@ -37,7 +37,7 @@ LAYOUT = [
     [((129,), torch.bfloat16), ((7, 3), torch.float32), ((4096,), torch.bfloat16)],
     [((2,), torch.bfloat16), ((64,), torch.bfloat16), ((33,), torch.float32)],
 ]
-BUCKET_NUMEL = 256
+BUCKET_BYTES = 1024
 
 
 def has_grad(step, index):
@@ -90,9 +90,9 @@ def train(params, optimizer, steps, seed, between=None, grads=has_grad):
     train_drawn(params, optimizer, steps, seed, has_grad=grads, check=check)
 
 
-def run(fraction, bucket_numel, monkeypatch, steps=4, between=None, grads=has_grad, **options):
-    """Params and optimizer after ``steps`` steps with host buckets of ``bucket_numel``."""
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", bucket_numel)
+def run(fraction, bucket_bytes, monkeypatch, steps=4, between=None, grads=has_grad, **options):
+    """Params and optimizer after ``steps`` steps with host buckets of ``bucket_bytes``."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", bucket_bytes)
     params = make_params()
     optimizer = make_optimizer(params, fraction, **options)
     train(params, optimizer, steps, seed=7, between=between, grads=grads)
@@ -124,7 +124,7 @@ def packed_buckets(optimizer):
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
 def test_packed_buckets_step_as_one_copy_per_parameter(fraction, overlap, in_fp32, monkeypatch):
     options = dict(param_update_in_fp32=in_fp32, overlap_cpu_optimizer_d2h_h2d=overlap)
-    packed = run(fraction, BUCKET_NUMEL, monkeypatch, **options)
+    packed = run(fraction, BUCKET_BYTES, monkeypatch, **options)
     assert len(packed_buckets(packed[1])) == (2 if fraction == 0.5 else 3)
     one_each = run(fraction, 0, monkeypatch, **options)
     assert not packed_buckets(one_each[1])
@@ -141,7 +141,7 @@ def test_a_host_copy_re_pointed_by_a_client_is_packed_again(monkeypatch):
                 for host in bucket.hosts:
                     host.data = host.detach().clone()
 
-    packed = run(1.0, BUCKET_NUMEL, monkeypatch, between=re_point)
+    packed = run(1.0, BUCKET_BYTES, monkeypatch, between=re_point)
     assert packed_buckets(packed[1])  # the block was rebuilt around the copies
     assert_same(packed, run(1.0, 0, monkeypatch))
 
@@ -149,7 +149,7 @@ def test_a_host_copy_re_pointed_by_a_client_is_packed_again(monkeypatch):
 def test_host_copies_keep_their_objects_and_values_when_packed(monkeypatch):
     """Packing happens on the first step and keeps every map's tensor objects; a copy's
     master values written before it (a checkpoint load) are the ones that are stepped."""
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", BUCKET_NUMEL)
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", BUCKET_BYTES)
     params = make_params()
     optimizer = make_optimizer(params, 1.0, param_update_in_fp32=True)
     hosts = dict(optimizer.gpu_params_map_cpu_copy)
@@ -180,7 +180,7 @@ def test_packed_buckets_match_upstream_bit_for_bit(fraction, monkeypatch):
     (which the fork does not), so missing gradients are compared with the fork alone."""
     overlay = pytest.importorskip("megatron_optimizer_fork")
     upstream = overlay.load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer")
-    packed = run(fraction, BUCKET_NUMEL, monkeypatch, grads=every_grad, param_update_in_fp32=True)
+    packed = run(fraction, BUCKET_BYTES, monkeypatch, grads=every_grad, param_update_in_fp32=True)
     assert packed_buckets(packed[1])
     params = make_params()
     reference = make_optimizer(
@@ -199,7 +199,7 @@ def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
     memory = pytest.importorskip("megatron_optimizer_fork.memory")
     memory.release_cached_pinned_memory()
     before = memory.pinned_bytes_held()
-    params, optimizer = run(1.0, BUCKET_NUMEL, monkeypatch, steps=1, param_update_in_fp32=True)
+    params, optimizer = run(1.0, BUCKET_BYTES, monkeypatch, steps=1, param_update_in_fp32=True)
     memory.release_cached_pinned_memory()  # what stays held is what the optimizer's tensors use
     held = memory.pinned_bytes_held() - before
     budget = hybrid_optimizer.upstream_pinned_bytes(

@@ -586,14 +586,14 @@ def test_steps_match_plain_adamw_on_fp32_masters(dtype, fraction):
 
 
 @requires_cuda
-@pytest.mark.parametrize("bucket_numel", [None, 16], ids=["default-buckets", "ring-reused"])
+@pytest.mark.parametrize("bucket_bytes", [None, 64], ids=["default-buckets", "ring-reused"])
 @pytest.mark.parametrize("fraction", FRACTIONS)
-def test_steps_match_upstream_bit_for_bit(upstream_hdo_class, fraction, bucket_numel, monkeypatch):
+def test_steps_match_upstream_bit_for_bit(upstream_hdo_class, fraction, bucket_bytes, monkeypatch):
     # pylint: disable=redefined-outer-name
     """Same inputs, same classes: the fork's step and upstream's agree to the bit (also with
     buckets small enough that gradient slots are reused within a step)."""
-    if bucket_numel is not None:
-        monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", bucket_numel)
+    if bucket_bytes is not None:
+        monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", bucket_bytes)
     options = _options(fraction, DeviceAdamW, DeviceAdamW)
     runs = []
     for hdo_class in (upstream_hdo_class, HybridDeviceOptimizer):
@@ -645,8 +645,8 @@ def test_replace_param_groups_refuses_an_optimizer_with_state():
 
 
 def test_host_optimizers_take_one_parameter_each_unless_bucketed():
-    params = [torch.zeros(n) for n in (3, 4, 5, 9, 2)]
-    groups = [{"params": params[:4], "lr": 0.1}, {"params": params[4:], "lr": 0.2}]
+    params = [torch.zeros(n) for n in (3, 4, 5, 9, 40, 2)]
+    groups = [{"params": params[:5], "lr": 0.1}, {"params": params[5:], "lr": 0.2}]
     build = HybridDeviceOptimizer.build_cpu_optimizer_list
 
     def layout(optimizers):
@@ -656,10 +656,33 @@ def test_host_optimizers_take_one_parameter_each_unless_bucketed():
         ]
 
     one_each = layout(build(torch.optim.AdamW, groups))
-    assert one_each == [([3], 0.1), ([4], 0.1), ([5], 0.1), ([9], 0.1), ([2], 0.2)]
-    bucketed = layout(build(torch.optim.AdamW, groups, 7))
-    # 9 >= 7 elements: a parameter that fills a bucket by itself gets its own.
-    assert bucketed == [([3, 4], 0.1), ([5], 0.1), ([9], 0.1), ([2], 0.2)]
+    assert one_each == [([3], 0.1), ([4], 0.1), ([5], 0.1), ([9], 0.1), ([40], 0.1), ([2], 0.2)]
+    # 128 bytes as staged, each copy at a 64-byte boundary: 3 and 4 elements take 64 + 16
+    # bytes, 5 more would begin at 128; 40 elements (160 bytes) exceed the cap and are alone;
+    # a group's last run closes with it.
+    bucketed = layout(build(torch.optim.AdamW, groups, 128))
+    assert bucketed == [([3, 4], 0.1), ([5, 9], 0.1), ([40], 0.1), ([2], 0.2)]
+
+
+def test_full_host_buckets_stage_exactly_the_pinned_block_they_are_given():
+    """The host allocator pins blocks of powers of two: buckets cut at the (power-of-two) cap,
+    alignment included, never need the block above it, which is what lets every host copy of
+    a fine-grained MoE be pinned within upstream's pinned memory."""
+    cap = hybrid_optimizer._HOST_BUCKET_BYTES
+    assert cap & (cap - 1) == 0
+    sizes = [1024, 1024, 3 * 1024 * 1024] + [160 * 1024] * 128 + [1000, 7, 5 * (1 << 20)]
+    hosts = [torch.empty(n, device="meta") for n in sizes]
+    optimizers = HybridDeviceOptimizer.build_cpu_optimizer_list(
+        torch.optim.AdamW, [{"params": hosts}], cap
+    )
+    for optimizer in optimizers:
+        copies = optimizer.param_groups[0]["params"]
+        end = 0
+        for copy in copies:
+            end = -(-end // 64) * 64 + copy.numel() * copy.element_size()
+        assert len(copies) == 1 or end <= cap  # so its block is at most the cap
+    assert sum(len(o.param_groups[0]["params"]) for o in optimizers) == len(sizes)
+    assert len(optimizers) < len(sizes) // 8
 
 
 def test_many_small_parameters_share_host_optimizers_and_step_exactly():
@@ -670,7 +693,7 @@ def test_many_small_parameters_share_host_optimizers_and_step_exactly():
     ]
     expected = [torch.nn.Parameter(p.detach().clone()) for p in params]
     optimizer = make_optimizer(params, 1.0)
-    assert len(optimizer.cpu_optimizers) == 2  # one per group: each holds < 2**22 elements
+    assert len(optimizer.cpu_optimizers) == 2  # one per group: each far below the cap
     reference = make_optimizer(expected, 1.0, overlap_cpu_optimizer_d2h_h2d=False)
     train(params, optimizer, 3, seed=9)
     train(expected, reference, 3, seed=9)
@@ -789,7 +812,7 @@ def _second_group_settings(index):
 def test_more_buckets_than_slots_reuse_the_ring_and_step_exactly(dtype, monkeypatch):
     """Eight buckets share a few slots in turn; a slot refilled before its bucket has stepped
     would change the result."""
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 64 * 4)
     params = flat_params([64] * 8, dtype)
     masters, references = train_masters_reference(params, _second_group_settings, 4, seed=5)
     optimizer = make_optimizer(params, 1.0)
@@ -808,7 +831,7 @@ def test_each_slot_holds_the_largest_of_its_buckets(numels, monkeypatch):
     """Slots are sized by the buckets staged in them: the largest bucket takes one large slot
     and the others stay small, so a dominant parameter (an embedding) does not multiply the
     ring; the ring never exceeds one gradient buffer per parameter."""
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 64 * 4)
     params = flat_params(numels, torch.bfloat16)
     masters, references = train_masters_reference(params, _second_group_settings, 3, seed=8)
     optimizer = make_optimizer(params, 1.0)
@@ -828,7 +851,7 @@ def test_each_slot_holds_the_largest_of_its_buckets(numels, monkeypatch):
 def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monkeypatch):
     """A parameter without a gradient is neither stepped nor uploaded, and its stale slot
     bytes reach no other parameter, whether its bucket has other gradients or none."""
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 32)
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 32 * 4)
     numels = [32, 48, 32, 32, 16, 16, 32]
 
     def has_grad(step, index):
@@ -865,7 +888,7 @@ def test_the_fork_pins_no_more_than_upstream(
     # The overlay package is absent from a vendored tree; so is upstream's HDO to compare with.
     memory = pytest.importorskip("megatron_optimizer_fork.memory")
     numel = 1 << 18
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", numel)
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", numel * 4)
     figures = {}
     for name, cls in (("upstream", upstream_hdo_class), ("fork", HybridDeviceOptimizer)):
         params = flat_params([numel] * 8, torch.bfloat16)
@@ -901,7 +924,7 @@ def test_a_slot_stages_only_the_pageable_uploads_of_its_last_bucket(overlap, mon
     gradients of the last bucket that used it, except where that bucket's host copy was left
     pageable: it goes up through the free slot, which then holds the stepped copy. Results
     are those of the straightforward path either way."""
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_NUMEL", 64)
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 64 * 4)
     params = flat_params([64] * 8, torch.bfloat16)
     masters, references = train_masters_reference(params, _second_group_settings, 1, seed=4)
     optimizer = make_optimizer(params, 1.0, overlap_cpu_optimizer_d2h_h2d=overlap)

@@ -68,10 +68,12 @@ _HDO_OPTIONS = (
     "overlap_cpu_optimizer_d2h_h2d",
 )
 
-# Fewest elements a host sub-optimizer steps: about 1 ms of fused host AdamW, so small
-# parameters share a call (each call costs ~0.1 ms of Python) while large ones keep their
-# own and the D2H / step / H2D pipeline stays fine-grained.
-_HOST_BUCKET_NUMEL = 1 << 22
+# Most bytes of host copies (as staged, alignment included) a host sub-optimizer steps
+# together: 4M fp32 elements, about 1 ms of fused host AdamW, so small parameters share a call
+# (each call costs ~0.1 ms of Python) while the D2H / step / H2D pipeline stays fine-grained.
+# A power of two, since the host allocator pins blocks of powers of two: a full bucket's block
+# and slot waste nothing, where a bucket just past the cap would hold twice its bytes.
+_HOST_BUCKET_BYTES = 16 << 20
 
 # Gradient staging slots in the host ring: the downloads of the next buckets run while the
 # host steps the current one; the third slot absorbs jitter in either.
@@ -360,7 +362,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Buckets in both modes: they bound the gradient staging (and so the pinned memory);
         # the overlap option decides how many buckets are in flight (see _plan_grad_ring).
         self.cpu_optimizers = self.build_cpu_optimizer_list(
-            self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_NUMEL
+            self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_BYTES
         )
         self.gpu_optimizer = (
             self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
@@ -501,21 +503,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bucket.up = [_typed_view(up, offset, host) for host, _, offset in bucket.grads]
 
     @staticmethod
-    def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_numel: int = 0):
+    def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
         """Build the host optimizers that overlap their steps with the copies.
 
-        Each optimizer steps a run of consecutive parameters of one group holding at least
-        ``bucket_numel`` elements (one parameter each with the default 0, as upstream builds
-        them), so it can start as soon as its gradients have landed while small parameters
-        share one call. A parameter of ``bucket_numel`` elements or more has an optimizer of
-        its own, so a run of small ones stays below twice that size (it is what a packed
-        bucket stages on the device).
+        Each optimizer steps a run of consecutive parameters of one group whose host copies,
+        laid out as their gradients are staged (each at a ``_GRAD_ALIGN`` boundary), fit in
+        ``bucket_bytes``, so it can start as soon as its gradients have landed while small
+        parameters share one call. A parameter larger than that has an optimizer of its own.
+        With the default 0 every parameter has its own, as upstream builds them.
 
         Args:
             cpu_optimizer_cls (Type[torch.optim.Optimizer]): the host optimizer class.
             cpu_param_groups (List[Dict[str, Any]]): host param groups with hyperparameters.
-            bucket_numel (int): fewest elements one optimizer steps (the last run of a group
-                may hold fewer).
+            bucket_bytes (int): most staged bytes one optimizer steps.
 
         Returns:
             List[torch.optim.Optimizer]: the optimizers, in group and parameter order.
@@ -526,16 +526,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if isinstance(params, torch.Tensor):
                 params = [params]
             settings = {k: v for k, v in group.items() if k != "params"}
-            bucket, numel = [], 0
+            bucket, end = [], 0
             for param in params:
-                if bucket and param.numel() >= bucket_numel:
+                offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+                if bucket and offset + _nbytes(param) > bucket_bytes:
                     optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
-                    bucket, numel = [], 0
+                    bucket, offset = [], 0
                 bucket.append(param)
-                numel += param.numel()
-                if numel >= bucket_numel:
-                    optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
-                    bucket, numel = [], 0
+                end = offset + _nbytes(param)
             if bucket:
                 optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
         return optimizers
