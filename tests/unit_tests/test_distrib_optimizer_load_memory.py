@@ -56,12 +56,18 @@ def fixture_rank(parallel_state):  # pylint: disable=unused-argument
 
 
 def _needs_gradients_for_state(optimizer):
-    """Whether an optimizer stepping GPU parameters creates its state only for parameters with
-    a gradient (torch's; TE FusedAdam creates it for every parameter it visits)."""
+    """Whether an optimizer stepping GPU parameters creates its state only by null steps with
+    gradients: TE FusedAdam creates it for every parameter it visits, and torch's Adam and
+    AdamW have theirs allocated directly; any other optimizer needs them."""
+    try:  # the fork's contract; upstream 0.19.2 has none
+        from megatron.core.optimizer.inner_optimizer_state import STATE_BY_EXAMPLE as direct
+    except ImportError:
+        direct = ()
     for dist in tool.distributed_optimizers(optimizer):
         for sub in getattr(dist.optimizer, "sub_optimizers", [dist.optimizer]):
             on_gpu = any(p.is_cuda for g in sub.param_groups for p in g["params"])
-            if on_gpu and not type(sub).__module__.startswith("transformer_engine."):
+            te = type(sub).__module__.startswith("transformer_engine.")
+            if on_gpu and not te and type(sub) not in direct:
                 return True
     return False
 

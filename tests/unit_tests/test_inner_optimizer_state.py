@@ -72,7 +72,7 @@ def train(params, optimizer, steps, seed):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for param in params:
-            param.grad = torch.randn(param.shape, generator=generator)
+            param.grad = torch.randn(param.shape, generator=generator).to(param.device)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -201,6 +201,72 @@ def test_null_step_gives_gradients_to_a_bounded_share_of_the_elements_at_a_time(
         assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
     params[1].grad = None
     assert_trains_alike(params, optimizer, reference_params, reference, seed=4)
+
+
+ADAM_OPTIONS = [
+    (torch.optim.AdamW, {}),
+    (torch.optim.AdamW, {"amsgrad": True, "foreach": False}),
+    (torch.optim.AdamW, {"fused": True}),
+    (torch.optim.Adam, {"weight_decay": 0.01}),
+    (torch.optim.Adam, {"amsgrad": True, "fused": True}),
+]
+if torch.cuda.is_available():
+    ADAM_OPTIONS += [
+        (torch.optim.AdamW, {"fused": True, "device": "cuda"}),
+        (torch.optim.Adam, {"capturable": True, "device": "cuda"}),
+    ]
+
+
+def _adam_id(entry):
+    cls, options = entry
+    return cls.__name__ + "".join(f"-{key}={value}" for key, value in options.items())
+
+
+@pytest.mark.parametrize("entry", ADAM_OPTIONS, ids=[_adam_id(e) for e in ADAM_OPTIONS])
+def test_torch_adam_state_is_created_without_gradients_as_its_null_step_creates_it(
+    entry, monkeypatch
+):
+    """torch's Adam and AdamW get their state allocated directly (no gradient of any
+    parameter's size), and it is the state the null step gives: same keys, dtypes, devices,
+    shapes and values, and the same training afterwards."""
+    cls, options = entry
+    options = dict(options)
+    device = options.pop("device", "cpu")
+
+    def build():
+        generator = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(s, generator=generator).to(device)) for s in SHAPES
+        ]
+        groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
+        return params, cls(groups, lr=1e-2, **options)
+
+    params, optimizer = build()
+    grads_seen = []
+    real_step = optimizer.step
+
+    def recording_step(*args, **kwargs):
+        grads_seen.extend(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+        return real_step(*args, **kwargs)
+
+    optimizer.step = recording_step
+    materialise_by_null_step(optimizer)
+    assert grads_seen and not any(grads_seen)
+    del optimizer.step
+
+    reference_params, reference = build()
+    monkeypatch.setattr(_contract, "STATE_BY_EXAMPLE", ())
+    materialise_by_null_step(reference)
+    monkeypatch.undo()
+    for param, reference_param in zip(params, reference_params):
+        state, expected = optimizer.state[param], reference.state[reference_param]
+        assert sorted(state) == sorted(expected)
+        for key, value in expected.items():
+            assert (state[key].dtype, state[key].device) == (value.dtype, value.device), key
+            assert state[key].shape == value.shape and torch.equal(state[key], value), key
+        assert torch.equal(param, reference_param)
+    assert optimizer.state[params[0]]["step"] is not optimizer.state[params[1]]["step"]
+    assert_trains_alike(params, optimizer, reference_params, reference, seed=2)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

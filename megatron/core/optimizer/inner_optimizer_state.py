@@ -38,7 +38,10 @@ def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
 
     Memory: the first step gives no gradients, which is enough for optimizers that create the
     state of every parameter they visit (TE FusedAdam), so that nothing but the state is
-    allocated. The parameters still without state then step in batches of at most
+    allocated. torch's Adam and AdamW create state only for parameters with a gradient, and
+    what they create is known: zero tensors shaped like the parameter and a zero counter
+    (:func:`_create_state_by_example`), so theirs is allocated directly, again nothing but the
+    state. Other optimizers' parameters still without state then step in batches of at most
     ``1 / NULL_STEP_SHARES`` of the elements (or one parameter, if larger), each with zero
     gradients and whatever temporaries the step needs for that batch alone.
 
@@ -65,6 +68,9 @@ def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
                 param.grad = None
         _step_on(optimizer, fresh)
         remaining = [[p for p in params if not optimizer.state.get(p)] for params in fresh]
+        if type(optimizer) in STATE_BY_EXAMPLE:
+            _create_state_by_example(optimizer, remaining)
+            remaining = []
         for batch in _null_step_batches(remaining):
             for params in batch:
                 for param in params:
@@ -86,6 +92,51 @@ def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
                     step.zero_()
                 elif step is not None:
                     optimizer.state[param]["step"] = 0
+
+
+STATE_BY_EXAMPLE = (torch.optim.Adam, torch.optim.AdamW)
+"""Optimizer classes (exactly these, not subclasses, which may step differently) whose first
+step with a zero gradient and learning rate leaves zero tensors shaped like the parameter and
+a counter, so that state can be created without the step (:func:`_create_state_by_example`)."""
+
+
+def _create_state_by_example(
+    optimizer: torch.optim.Optimizer, params_per_group: List[List[torch.Tensor]]
+) -> None:
+    """Give each parameter the state its optimizer's first null step would create.
+
+    Which tensors exist, and the dtype and device of the step counter, depend on the group's
+    options (``amsgrad``, ``fused``, ``capturable``) and on the torch version, so they are read
+    off a null step of a one-element tensor of the parameter's dtype and device, in a
+    throw-away optimizer with the group's settings. Every parameter then gets zero tensors of
+    its own shape where the example has per-element state, and a fresh copy of each scalar
+    (the counter is reset with the others by :func:`materialise_by_null_step`).
+    """
+    for group, params in zip(optimizer.param_groups, params_per_group):
+        settings = {key: value for key, value in group.items() if key != "params"}
+        examples: Dict[Any, Dict[str, Any]] = {}
+        for param in params:
+            kind = (param.dtype, param.device)
+            if kind not in examples:
+                tiny = torch.zeros(1, dtype=param.dtype, device=param.device)
+                tiny.grad = torch.zeros_like(tiny)
+                probe = type(optimizer)([{**settings, "params": [tiny]}])
+                probe.step()
+                examples[kind] = probe.state[tiny]
+            # Filled in place, as the step fills it: a wrapper's state map keeps its entry.
+            optimizer.state[param].update(
+                (key, _shaped_like(value, param)) for key, value in examples[kind].items()
+            )
+
+
+def _shaped_like(example: Any, param: torch.Tensor) -> Any:
+    """A zero tensor like ``param`` in ``example``'s dtype for per-element state, a copy of a
+    scalar tensor or value otherwise."""
+    if not isinstance(example, torch.Tensor):
+        return example
+    if example.dim() == 0:
+        return example.clone()
+    return torch.zeros_like(param, dtype=example.dtype, memory_format=torch.preserve_format)
 
 
 def _step_on(optimizer: torch.optim.Optimizer, params_per_group: List[List[torch.Tensor]]):
