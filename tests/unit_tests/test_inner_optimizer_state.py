@@ -269,6 +269,24 @@ def test_torch_adam_state_is_created_without_gradients_as_its_null_step_creates_
     assert_trains_alike(params, optimizer, reference_params, reference, seed=2)
 
 
+def test_settings_that_build_no_example_fall_back_to_the_null_step(monkeypatch):
+    params, optimizer = make(torch.optim.AdamW, lr=1e-2)
+    reference_params, reference = make(torch.optim.AdamW, lr=1e-2)
+
+    def refuses(*_, **__):
+        raise ValueError("these settings build no optimizer")
+
+    monkeypatch.setattr(torch.optim.AdamW, "__init__", refuses)
+    materialise_by_null_step(optimizer)
+    monkeypatch.undo()
+    monkeypatch.setattr(_contract, "STATE_BY_EXAMPLE", ())
+    materialise_by_null_step(reference)
+    for param, reference_param in zip(params, reference_params):
+        for key, value in reference.state[reference_param].items():
+            assert torch.equal(optimizer.state[param][key], value), key
+    assert_trains_alike(params, optimizer, reference_params, reference, seed=3)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("restore_model", [True, False], ids=["with_model", "state_only"])
 def test_write_restores_a_checkpoint_in_place_and_resumes_exactly(name, restore_model):

@@ -69,8 +69,7 @@ def materialise_by_null_step(optimizer: torch.optim.Optimizer) -> None:
         _step_on(optimizer, fresh)
         remaining = [[p for p in params if not optimizer.state.get(p)] for params in fresh]
         if type(optimizer) in STATE_BY_EXAMPLE:
-            _create_state_by_example(optimizer, remaining)
-            remaining = []
+            remaining = _create_state_by_example(optimizer, remaining)
         for batch in _null_step_batches(remaining):
             for params in batch:
                 for param in params:
@@ -102,7 +101,7 @@ a counter, so that state can be created without the step (:func:`_create_state_b
 
 def _create_state_by_example(
     optimizer: torch.optim.Optimizer, params_per_group: List[List[torch.Tensor]]
-) -> None:
+) -> List[List[torch.Tensor]]:
     """Give each parameter the state its optimizer's first null step would create.
 
     Which tensors exist, and the dtype and device of the step counter, depend on the group's
@@ -111,22 +110,40 @@ def _create_state_by_example(
     throw-away optimizer with the group's settings. Every parameter then gets zero tensors of
     its own shape where the example has per-element state, and a fresh copy of each scalar
     (the counter is reset with the others by :func:`materialise_by_null_step`).
+
+    Returns:
+        The parameters (per group) whose example could not be made, for the null step.
     """
+    left = []
     for group, params in zip(optimizer.param_groups, params_per_group):
         settings = {key: value for key, value in group.items() if key != "params"}
-        examples: Dict[Any, Dict[str, Any]] = {}
+        examples: Dict[Any, Optional[Dict[str, Any]]] = {}
+        left.append([])
         for param in params:
             kind = (param.dtype, param.device)
             if kind not in examples:
-                tiny = torch.zeros(1, dtype=param.dtype, device=param.device)
-                tiny.grad = torch.zeros_like(tiny)
-                probe = type(optimizer)([{**settings, "params": [tiny]}])
-                probe.step()
-                examples[kind] = probe.state[tiny]
+                examples[kind] = _example_state(type(optimizer), settings, param)
+            if examples[kind] is None:
+                left[-1].append(param)
+                continue
             # Filled in place, as the step fills it: a wrapper's state map keeps its entry.
             optimizer.state[param].update(
                 (key, _shaped_like(value, param)) for key, value in examples[kind].items()
             )
+    return left
+
+
+def _example_state(optimizer_cls, settings: Dict[str, Any], param: torch.Tensor):
+    """The state a null step gives a one-element tensor like ``param``, or None where these
+    settings do not build such an optimizer."""
+    tiny = torch.zeros(1, dtype=param.dtype, device=param.device)
+    tiny.grad = torch.zeros_like(tiny)
+    try:
+        probe = optimizer_cls([{**settings, "params": [tiny]}])
+        probe.step()
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return probe.state[tiny]
 
 
 def _shaped_like(example: Any, param: torch.Tensor) -> Any:
