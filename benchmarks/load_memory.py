@@ -136,12 +136,11 @@ def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1):
     """Measure ``rows`` for both implementations; returns ``{row: {side: figures}}``.
 
     With ``repeats`` above 1 each implementation trains, saves and loads again, the order of
-    the two alternating, so that a slower machine phase does not fall on one side only. Memory
-    figures and exactness are the first run's; ``load_s`` is the median and ``load_s_all``
-    every run's load time.
+    the two alternating, so that a slower machine phase does not fall on one side only (see
+    :func:`summarise` for how the runs are folded into one row).
     """
     cases = [distopt_resume.Case.parse(ROWS[row]) for row in rows]
-    table = {row: {} for row in rows}
+    runs = {row: {side: [] for side in IMPLEMENTATIONS} for row in rows}
     for repeat in range(repeats):
         order = IMPLEMENTATIONS if repeat % 2 == 0 else IMPLEMENTATIONS[::-1]
         for side in order:
@@ -158,20 +157,25 @@ def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1):
             )
             for row, case in zip(rows, cases):
                 result = results.get(case.key(nproc, side, side), {"error": "no result"})
-                _add_run(table[row], side, result)
-    return table
+                runs[row][side].append(result)
+    return {row: {side: summarise(runs[row][side]) for side in IMPLEMENTATIONS} for row in rows}
 
 
-def _add_run(by_side, side, result):
-    """Fold one run of one row and implementation into its figures."""
-    if side not in by_side:
-        by_side[side] = {"skipped": result["skipped"]} if result.get("skipped") else figures(result)
-        by_side[side]["raw"] = result
-        by_side[side]["load_s_all"] = []
-    if result.get("load_seconds") is not None and not result.get("error"):
-        by_side[side]["load_s_all"].append(result["load_seconds"])
-    if by_side[side]["load_s_all"]:
-        by_side[side]["load_s"] = statistics.median(by_side[side]["load_s_all"])
+def summarise(results):
+    """One row and implementation over its runs: the memory figures of the first run that
+    loaded, exact only if every run was, every failed run's error, and the median load time
+    of the runs that loaded (``load_s_all`` lists them)."""
+    if results[0].get("skipped"):
+        return {"skipped": results[0]["skipped"], "raw": results[0]}
+    loaded = [result for result in results if not result.get("error")]
+    item = figures((loaded or results)[0])
+    item["raw"] = (loaded or results)[0]
+    item["exact"] = all(result.get("exact") and not result.get("error") for result in results)
+    errors = [f"run {n + 1}: {r['error']}" for n, r in enumerate(results) if r.get("error")]
+    item["error"] = "; ".join(errors) if errors else None
+    item["load_s_all"] = [r["load_seconds"] for r in loaded if r.get("load_seconds") is not None]
+    item["load_s"] = statistics.median(item["load_s_all"]) if item["load_s_all"] else None
+    return item
 
 
 def build_parser():

@@ -72,7 +72,7 @@ def train(params, optimizer, steps, seed):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for param in params:
-            param.grad = torch.randn(param.shape, generator=generator).to(param.device)
+            param.grad = torch.randn(param.shape, generator=generator).to(param)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -207,8 +207,10 @@ ADAM_OPTIONS = [
     (torch.optim.AdamW, {}),
     (torch.optim.AdamW, {"amsgrad": True, "foreach": False}),
     (torch.optim.AdamW, {"fused": True}),
+    (torch.optim.AdamW, {"foreach": True, "maximize": True, "dtype": torch.bfloat16}),
     (torch.optim.Adam, {"weight_decay": 0.01}),
     (torch.optim.Adam, {"amsgrad": True, "fused": True}),
+    (torch.optim.Adam, {"foreach": True, "dtype": torch.float64}),
 ]
 if torch.cuda.is_available():
     ADAM_OPTIONS += [
@@ -231,12 +233,13 @@ def test_torch_adam_state_is_created_without_gradients_as_its_null_step_creates_
     shapes and values, and the same training afterwards."""
     cls, options = entry
     options = dict(options)
-    device = options.pop("device", "cpu")
+    device, dtype = options.pop("device", "cpu"), options.pop("dtype", torch.float32)
 
     def build():
         generator = torch.Generator().manual_seed(0)
         params = [
-            torch.nn.Parameter(torch.randn(s, generator=generator).to(device)) for s in SHAPES
+            torch.nn.Parameter(torch.randn(s, generator=generator).to(device, dtype))
+            for s in SHAPES
         ]
         groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1}]
         return params, cls(groups, lr=1e-2, **options)
@@ -267,6 +270,17 @@ def test_torch_adam_state_is_created_without_gradients_as_its_null_step_creates_
         assert torch.equal(param, reference_param)
     assert optimizer.state[params[0]]["step"] is not optimizer.state[params[1]]["step"]
     assert_trains_alike(params, optimizer, reference_params, reference, seed=2)
+
+
+def test_fp16_parameters_are_left_alone_when_their_adam_state_is_created():
+    """A null step of an fp16 parameter divides 0 by eps, which underflows to 0 in fp16: the
+    parameter would become NaN. Creating the state directly takes no step."""
+    params = [torch.nn.Parameter(torch.randn(s).half()) for s in SHAPES]
+    before = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    materialise_by_null_step(optimizer)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(optimizer.state[p]["exp_avg"].dtype == torch.float16 for p in params)
 
 
 def test_settings_that_build_no_example_fall_back_to_the_null_step(monkeypatch):

@@ -657,6 +657,8 @@ def test_host_optimizers_take_one_parameter_each_unless_bucketed():
 
     one_each = layout(build(torch.optim.AdamW, groups))
     assert one_each == [([3], 0.1), ([4], 0.1), ([5], 0.1), ([9], 0.1), ([40], 0.1), ([2], 0.2)]
+    empty = [{"params": [torch.zeros(0), torch.zeros(0), torch.zeros(3)], "lr": 0.1}]
+    assert layout(build(torch.optim.AdamW, empty)) == [([0], 0.1), ([0], 0.1), ([3], 0.1)]
     # 128 bytes as staged, each copy at a 64-byte boundary: 3 and 4 elements take 64 + 16
     # bytes, 5 more would begin at 128; 40 elements (160 bytes) exceed the cap and are alone;
     # a group's last run closes with it.

@@ -143,7 +143,7 @@ def _example_state(optimizer_cls, settings: Dict[str, Any], param: torch.Tensor)
         probe.step()
     except (RuntimeError, TypeError, ValueError):
         return None
-    return probe.state[tiny]
+    return probe.state.get(tiny) or None  # no state: nothing to copy, so the null step decides
 
 
 def _shaped_like(example: Any, param: torch.Tensor) -> Any:

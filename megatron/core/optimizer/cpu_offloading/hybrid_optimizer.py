@@ -506,11 +506,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
         """Build the host optimizers that overlap their steps with the copies.
 
-        Each optimizer steps a run of consecutive parameters of one group whose host copies,
-        laid out as their gradients are staged (each at a ``_GRAD_ALIGN`` boundary), fit in
+        Each optimizer steps a run of consecutive parameters of one group that, laid out as
+        their gradients are staged (each at a ``_GRAD_ALIGN`` boundary), fit in
         ``bucket_bytes``, so it can start as soon as its gradients have landed while small
-        parameters share one call. A parameter larger than that has an optimizer of its own.
-        With the default 0 every parameter has its own, as upstream builds them.
+        parameters share one call. Parameters already on the host are counted too, though
+        they stage nothing, so a bucket's staged bytes never exceed the cap. A parameter
+        larger than that has an optimizer of its own. With the default 0 every parameter has
+        its own, as upstream builds them.
 
         Args:
             cpu_optimizer_cls (Type[torch.optim.Optimizer]): the host optimizer class.
@@ -529,7 +531,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             bucket, end = [], 0
             for param in params:
                 offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
-                if bucket and offset + _nbytes(param) > bucket_bytes:
+                if bucket and (bucket_bytes <= 0 or offset + _nbytes(param) > bucket_bytes):
                     optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
                     bucket, offset = [], 0
                 bucket.append(param)
