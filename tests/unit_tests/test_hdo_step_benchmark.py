@@ -3,7 +3,6 @@
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -33,10 +32,3 @@ def test_the_contended_limit_takes_adam_as_timed_beside_the_copies():
     assert benchmark.row_of("x", 1.0, True, "fork", result, slow_bus, True)[
         "limit_contended_s"
     ] == pytest.approx(0.2)
-
-
-def test_without_cuda_the_floor_is_host_adam_alone():
-    args = SimpleNamespace(case="stress", dp=1, scale=0.001, numel=0, tensors=0, repeats=1)
-    floor = benchmark.measure_floor(args, "cpu", 1.0)
-    assert floor["d2h"] == floor["h2d"] == 0.0
-    assert floor["adam"] > 0 and floor["adam_beside_copies"] == floor["adam"]

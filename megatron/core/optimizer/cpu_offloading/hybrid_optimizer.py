@@ -122,6 +122,11 @@ def _param_generator(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]
         yield from group["params"]
 
 
+def _staged_offset(end: int) -> int:
+    """Where the next gradient goes in a slot filled up to ``end`` bytes (``_GRAD_ALIGN``)."""
+    return -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+
+
 def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient Megatron left for ``param`` (precision-aware mode uses ``decoupled_grad``)."""
     grad = getattr(param, "decoupled_grad", None)
@@ -418,7 +423,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for host in _param_generator(optimizer):
                 param = self.cpu_copys_map_gpu_param.get(host)
                 if param is not None:  # a host-resident parameter has its own gradient
-                    offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+                    offset = _staged_offset(end)
                     grads.append((host, param, offset))
                     end = offset + _nbytes(host)
             if grads:
@@ -530,7 +535,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             settings = {k: v for k, v in group.items() if k != "params"}
             bucket, end = [], 0
             for param in params:
-                offset = -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+                offset = _staged_offset(end)
                 if bucket and (bucket_bytes <= 0 or offset + _nbytes(param) > bucket_bytes):
                     optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
                     bucket, offset = [], 0
