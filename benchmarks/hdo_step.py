@@ -121,9 +121,10 @@ def measure_floor(args, device, fraction):
     chosen = offloaded_sizes(args, fraction)
     if not chosen:
         return {"adam": 0.0, "d2h": 0.0, "h2d": 0.0, "adam_beside_copies": 0.0}
-    params = [torch.randn(n) for n in chosen]
+    generator = value_generator(device, seed=1)
+    params = [random_values(n, generator, device).cpu() for n in chosen]
     for p in params:
-        p.grad = torch.randn(p.numel()).mul_(1e-3)
+        p.grad = random_values(p.numel(), generator, device).mul_(1e-3).cpu()
     adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     result = {"adam": timed(adam.step, "cpu", args.repeats)["median"]}
     if device != "cuda":
@@ -144,6 +145,20 @@ def measure_floor(args, device, fraction):
     del adam, params, down, up
     gc.collect()
     return result
+
+
+def value_generator(device, seed=0):
+    """A seeded generator on ``device``: values drawn there are the same in every process."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def random_values(numel, generator, device):
+    """``numel`` standard-normal fp32 values drawn on ``device``.
+
+    Drawn on the accelerator where there is one: the host draws about 0.1G values a second,
+    which for the larger cases took longer than the steps being timed.
+    """
+    return torch.randn(numel, generator=generator, device=device)
 
 
 def pinned_block(nbytes):
@@ -181,12 +196,12 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
     Run in a process of its own (see ``run_worker``), so that the pinned memory the process
     holds is this optimizer's alone.
     """
-    generator = torch.Generator().manual_seed(0)
+    generator = value_generator(device)
     params, grads = [], []
     for numel in sizes(args):
-        value = torch.randn(numel, generator=generator).to(device, torch.bfloat16)
+        value = random_values(numel, generator, device).to(torch.bfloat16)
         params.append(torch.nn.Parameter(value))
-        grads.append(torch.randn(numel, generator=generator).mul_(1e-2).to(device, torch.bfloat16))
+        grads.append(random_values(numel, generator, device).mul_(1e-2).to(torch.bfloat16))
     optimizer = hdo_class(
         [{"params": params}],
         offload_fraction=fraction,
@@ -319,6 +334,7 @@ COLUMNS = [
     ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
     ("adam|copies s", 13, lambda r: f"{r['floor']['adam_beside_copies']:.3f}"),
     ("outside s", 9, lambda r: f"{r['outside_s']:.3f}"),
+    ("run s", 5, lambda r: f"{r['worker_s']:.0f}"),
     ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
 ]
 
@@ -337,6 +353,7 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "step_min_s": result["step_min"],
         "step_max_s": result["step_max"],
         "outside_s": result["outside"],
+        "worker_s": result.get("worker_s", 0.0),
         "floor_s": serial,
         "limit_s": limit,
         "ratio": result["step"] / serial if serial else float("nan"),
@@ -380,9 +397,15 @@ def main():
         )
         print(" ".join(f"{name:>{width}}" for name, width, _ in COLUMNS), flush=True)
         for fraction in args.fractions:
+            started = time.perf_counter()
             floor = measure_floor(args, device, fraction)
+            floor["measured_in_s"] = time.perf_counter() - started
             for overlap in overlaps:
-                results = {n: run_worker(args, n, fraction, overlap) for n in implementations}
+                results = {}
+                for name in implementations:
+                    started = time.perf_counter()
+                    results[name] = run_worker(args, name, fraction, overlap)
+                    results[name]["worker_s"] = time.perf_counter() - started
                 exact = len({result["digest"] for result in results.values()}) == 1
                 for name, result in results.items():
                     rows.append(row_of(case, fraction, overlap, name, result, floor, exact))
@@ -398,7 +421,8 @@ def main():
         "the same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); "
         "step = median "
         "of step() alone (min-max over the repeats); outside = the benchmark's own work per "
-        "step (handing out gradients), not in step; pinned = pinned host memory the process "
+        "step (handing out gradients), not in step; run = the row's process, start to end "
+        "(the floor's own time is floor.measured_in_s in the JSON); pinned = pinned host memory the process "
         "holds after the timed steps (one process per row, allocator cache included); live = "
         "pinned storage its tensors use; equal = identical parameters (sha256) across "
         f"implementations; {path}"
