@@ -415,18 +415,18 @@ def main():
                 with open(path, "w", encoding="utf-8") as out:
                     summary = {**vars(args), "case": cases}
                     json.dump({"device": label, "args": summary, "rows": rows}, out, indent=1)
-    print(
-        "\nfloor = fused host AdamW over the offloaded tensors + bf16 D2H + bf16 H2D of their "
-        "bytes (one pinned block each way); limit = the longest of the three; contended = "
-        "the same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); "
-        "step = median "
-        "of step() alone (min-max over the repeats); outside = the benchmark's own work per "
-        "step (handing out gradients), not in step; run = the row's process, start to end "
-        "(the floor's own time is floor.measured_in_s in the JSON); pinned = pinned host memory the process "
-        "holds after the timed steps (one process per row, allocator cache included); live = "
-        "pinned storage its tensors use; equal = identical parameters (sha256) across "
-        f"implementations; {path}"
+    legend = (
+        "floor = fused host AdamW over the offloaded tensors + bf16 D2H + bf16 H2D of their "
+        "bytes (one pinned block each way); limit = the longest of the three; contended = the "
+        "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); step = "
+        "median of step() alone (min-max over the repeats); outside = the benchmark's own work "
+        "per step (handing out gradients), not in step; run = the row's process, start to end "
+        "(the floor's own time is floor.measured_in_s in the JSON); pinned = pinned host memory "
+        "the process holds after the timed steps (one process per row, allocator cache "
+        "included); live = pinned storage its tensors use; equal = identical parameters "
+        "(sha256) across implementations"
     )
+    print(f"\n{legend}; {path}")
 
 
 if __name__ == "__main__":
