@@ -129,6 +129,7 @@ class _Bucket:
         down: device views the gradients are gathered and widened into (packed, on CUDA).
         up: device views the uploaded block lands in, narrowed from there (packed, on CUDA).
         keep: indices of the copies that have a gradient in this step; None for all.
+        flat: how the bucket is stepped as one block, where it can be (:class:`FlatStep`).
     """
 
     optimizer: torch.optim.Optimizer
@@ -145,6 +146,7 @@ class _Bucket:
     down: List[torch.Tensor] = dataclasses.field(default_factory=list)
     up: List[torch.Tensor] = dataclasses.field(default_factory=list)
     keep: Optional[List[int]] = None
+    flat: Optional["FlatStep"] = None
 
     def kept(self, items: List[Any]) -> List[Any]:
         """The entries of ``items`` (one per copy) whose copy has a gradient this step."""
@@ -173,6 +175,157 @@ def pack_host_copies(bucket: "_Bucket", pin: bool) -> None:
         host.data = view
     bucket.master = block
     bucket.master_ptrs = [host.data_ptr() for host in bucket.hosts]
+
+
+FLAT_STEPPED = (torch.optim.Adam, torch.optim.AdamW)
+"""Host sub-optimizer classes (exactly these) whose update is elementwise and whose state is
+per-element moments and a step counter, so that a packed bucket can be stepped as one tensor."""
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+_VECTOR_BYTES = 64
+"""Widest vector torch's host kernels step at once (AVX-512). A kernel steps each tensor's
+elements in vectors and its last ``numel % width`` elements one at a time, which may round
+differently; a run of copies stepped as one tensor therefore gets exactly their own results
+when each of them starts at a multiple of this many bytes and holds a multiple of it."""
+
+
+class FlatStep:
+    """One step over a packed bucket's blocks in place of one step per host copy.
+
+    The host copies of a packed bucket are views into one block, laid out as the gradients
+    in their slot (see :func:`pack_host_copies`). Once their moments are views into blocks
+    laid out alike, the sub-optimizer's class steps runs of consecutive copies as single
+    tensors: one segment per run of copies whose size is a multiple of ``_VECTOR_BYTES``
+    (their padding is then none), and each other copy as a segment of its own, so that every
+    element gets exactly the operations the per-copy step gives it, without the per-tensor
+    work (a Python pass and a parallel region per copy) that dominates buckets of thousands
+    of small copies.
+
+    The moments are moved into the blocks (one copy, the entries then holding views) whenever
+    they are found elsewhere: after the first step, a load, or a client's assignment. A step
+    in which some copy has no gradient, or the copies' counters differ, goes through the
+    sub-optimizer as usual; so does the first step, which creates the state.
+
+    Args:
+        bucket: a packed bucket whose sub-optimizer :meth:`suits` this.
+        slot: the ring slot (raw bytes) its gradients are staged in.
+        entries: the state entry of each of ``bucket.hosts``.
+    """
+
+    def __init__(self, bucket: "_Bucket", slot: torch.Tensor, entries: List[dict]):
+        self.block = bucket.master
+        self.entries = entries
+        self._bucket = bucket
+        self._dtype = bucket.hosts[0].dtype
+        self._segments = _segments(bucket.grads)
+        self._views: dict = {}  # per moment: the copies' views into its block, once made
+        params = []
+        for start, end in self._segments:
+            params.append(bucket.master[start:end].view(self._dtype))
+            params[-1].grad = slot[start:end].view(self._dtype)
+        settings = {k: v for k, v in bucket.optimizer.param_groups[0].items() if k != "params"}
+        self.optimizer = type(bucket.optimizer)([{**settings, "params": params}])
+
+    @staticmethod
+    def suits(bucket: "_Bucket") -> bool:
+        """Whether ``bucket`` can be stepped by segments: packed, all its sub-optimizer's
+        parameters offloaded copies of one dtype, an elementwise optimizer without amsgrad."""
+        optimizer = bucket.optimizer
+        if not bucket.packed or bucket.master is None or type(optimizer) not in FLAT_STEPPED:
+            return False
+        if len(optimizer.param_groups) != 1:
+            return False
+        group = optimizer.param_groups[0]
+        if group.get("amsgrad") or group.get("differentiable"):
+            return False
+        params = group["params"]
+        if len(params) != len(bucket.hosts) or any(
+            a is not b for a, b in zip(params, bucket.hosts)
+        ):
+            return False
+        dtypes = {host.dtype for host in bucket.hosts}
+        return len(dtypes) == 1 and next(iter(dtypes)).is_floating_point
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Step the bucket by segments; False (nothing done) where its state does not allow
+        it, and the sub-optimizer must step it."""
+        bucket = self._bucket
+        if bucket.keep is not None or bucket.master is not self.block:
+            return False
+        counters = []
+        for entry in self.entries:
+            counter = entry.get("step")
+            # The counter and the moments, and the master where the entry shows one.
+            if not isinstance(counter, torch.Tensor) or counter.dim() != 0:
+                return False
+            if len(entry) != 1 + len(_MOMENTS) + ("master_param" in entry):
+                return False
+            counters.append(counter)
+        stacked = torch.stack(counters)
+        if not bool((stacked == stacked[0]).all()):
+            return False
+        moments = [[entry.get(key) for entry in self.entries] for key in _MOMENTS]
+        if not all(self._fits(values) for values in moments):
+            return False
+        for key, values in zip(_MOMENTS, moments):
+            self._lay_out(key, values, counters[0])
+        group = self.optimizer.param_groups[0]
+        group.update((k, v) for k, v in bucket.optimizer.param_groups[0].items() if k != "params")
+        own = [self.optimizer.state[param]["step"] for param in group["params"]]
+        # pylint: disable=protected-access
+        torch._foreach_copy_(own, [counters[0]] * len(own))
+        self.optimizer.step()
+        torch._foreach_copy_(counters, [own[0]] * len(counters))
+        return True
+
+    def _fits(self, values: List[Any]) -> bool:
+        """Whether these tensors (one per copy) can be moved into a block: host tensors of
+        their copy's dtype and size."""
+        return all(
+            isinstance(value, torch.Tensor)
+            and value.device.type == "cpu"
+            and value.dtype == host.dtype
+            and value.numel() == host.numel()
+            for value, host in zip(values, self._bucket.hosts)
+        )
+
+    def _lay_out(self, key: str, values: List[torch.Tensor], counter: torch.Tensor):
+        """Make each entry's ``key`` a view into that moment's block, copying the values of
+        those that are elsewhere; the first time, give the segments their state."""
+        views = self._views.get(key)
+        if views is None:
+            raw = torch.zeros(self._bucket.nbytes, dtype=torch.uint8)
+            views = self._views[key] = [
+                _typed_view(raw, offset, host) for host, _, offset in self._bucket.grads
+            ]
+            params = self.optimizer.param_groups[0]["params"]
+            for param, (start, end) in zip(params, self._segments):
+                state = self.optimizer.state[param]
+                state[key] = raw[start:end].view(self._dtype)
+                state.setdefault("step", counter.clone())
+        for entry, value, view in zip(self.entries, values, views):
+            if value.data_ptr() != view.data_ptr():
+                view.copy_(value.reshape(view.shape))
+                dict.__setitem__(entry, key, view)
+
+
+def _segments(grads: List[Tuple[torch.Tensor, torch.Tensor, int]]) -> List[Tuple[int, int]]:
+    """Byte ranges of a packed bucket stepped as single tensors (see :class:`FlatStep`):
+    runs of adjacent copies that start and end at multiples of ``_VECTOR_BYTES``, and each
+    other copy alone."""
+    segments: List[List[int]] = []
+    extendable = False
+    for host, _, offset in grads:
+        end = offset + _nbytes(host)
+        whole = offset % _VECTOR_BYTES == 0 and end % _VECTOR_BYTES == 0
+        if whole and extendable and segments[-1][1] == offset:
+            segments[-1][1] = end
+        else:
+            segments.append([offset, end])
+        extendable = whole
+    return [(start, end) for start, end in segments]
 
 
 def _widened(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:

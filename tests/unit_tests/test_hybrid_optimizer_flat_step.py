@@ -1,0 +1,148 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""A packed host bucket is stepped by segments, and exactly as one copy per parameter would be.
+
+Once a packed bucket's moments are views into blocks laid out like its host copies, torch's
+AdamW steps runs of copies as single tensors (``FlatStep``). Each test runs that beside the
+straightforward optimizer (every parameter a bucket of its own) on the same inputs and
+compares parameters and state with ``torch.equal``, with sizes that are not multiples of a
+vector (whose last elements a kernel steps one at a time), learning-rate changes, and state
+that clients reassign or that a load replaces between steps.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from hdo_client_flows import build_hdo
+    from test_hybrid_optimizer_packed_copies import assert_same
+    from test_optimizer_cpu_offloading import train_drawn
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.hdo_client_flows import build_hdo
+    from tests.unit_tests.test_hybrid_optimizer_packed_copies import assert_same
+    from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
+
+pytestmark = pytest.mark.skipif(
+    not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), reason="the fork's buckets"
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Multiples of 16 and 32 elements (runs stepped as one tensor) between sizes that are not.
+SIZES = [16, 32, 1001, 48, 77, 4096, 3, 160, 65541, 64, (8, 12), 5]
+BUCKET_BYTES = 1 << 16
+
+
+def make(bucket_bytes, monkeypatch, seed=0):
+    """Every parameter offloaded, in host buckets of ``bucket_bytes`` (0: one each)."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", bucket_bytes)
+    hdo_class = hybrid_optimizer.HybridDeviceOptimizer
+    return build_hdo(hdo_class, SIZES, 1.0, seed=seed, device=DEVICE)
+
+
+def train(params, optimizer, steps, seed, between=None):
+    """Drawn gradients for every parameter; the learning rate changes after each step."""
+
+    def after(opt):
+        for group in opt.param_groups:
+            group["lr"] *= 0.7
+        if between is not None:
+            between(opt)
+
+    train_drawn(params, optimizer, steps, seed, has_grad=lambda step, index: True, check=after)
+
+
+def flat_buckets(optimizer):
+    """The buckets stepped by segments (there must be some)."""
+    buckets = [bucket for bucket in optimizer._buckets if bucket.flat is not None]
+    assert buckets, "no bucket is stepped by segments"
+    return buckets
+
+
+def assert_moments_in_blocks(optimizer):
+    """Every moment of a bucket stepped by segments is a view into that moment's one block."""
+    for bucket in flat_buckets(optimizer):
+        for key in ("exp_avg", "exp_avg_sq"):
+            storages = {optimizer.state[p][key].untyped_storage().data_ptr() for p in bucket.params}
+            assert len(storages) == 1, key
+
+
+def test_a_packed_bucket_is_stepped_by_segments_exactly_as_copy_by_copy(monkeypatch):
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 5, seed=3)
+    assert_moments_in_blocks(optimizer)
+    reference_params, reference = make(0, monkeypatch)
+    assert not any(bucket.packed for bucket in reference._buckets)
+    train(reference_params, reference, 5, seed=3)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_segments_join_copies_of_whole_vectors_and_keep_the_others_alone():
+    fp32 = torch.float32
+    grads = [
+        (torch.empty(16, dtype=fp32), None, 0),
+        (torch.empty(32, dtype=fp32), None, 64),
+        (torch.empty(3, dtype=fp32), None, 192),  # not a whole vector: alone
+        (torch.empty(16, dtype=fp32), None, 256),
+        (torch.empty(16, dtype=torch.bfloat16), None, 320),  # 32 bytes: alone
+        (torch.empty(48, dtype=fp32), None, 384),
+        (torch.empty(16, dtype=fp32), None, 640),  # a gap before it: a new run
+    ]
+    copies = pytest.importorskip("megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies")
+    segments = copies._segments(grads)  # pylint: disable=protected-access
+    assert segments == [(0, 192), (192, 204), (256, 320), (320, 352), (384, 576), (640, 704)]
+
+
+def test_moments_a_client_assigns_are_stepped_and_laid_out_again(monkeypatch):
+    """Assigned tensors (new objects, scaled values) are what the next step uses; they are
+    then moved into the block, where the next assignment finds them."""
+
+    def reassign(optimizer):
+        for param in list(optimizer.state)[::2]:
+            entry = optimizer.state[param]
+            entry["exp_avg"] = entry["exp_avg"] * 0.5
+            entry["exp_avg_sq"] = entry["exp_avg_sq"].clone()
+
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 4, seed=5, between=reassign)
+    reference_params, reference = make(0, monkeypatch)
+    train(reference_params, reference, 4, seed=5, between=reassign)
+    assert_same((params, optimizer), (reference_params, reference))
+    train(params, optimizer, 1, seed=6)
+    assert_moments_in_blocks(optimizer)
+
+
+def test_a_loaded_state_dict_is_stepped_as_saved(monkeypatch):
+    """A state dict saved after steps by segments and loaded into a fresh optimizer resumes
+    exactly as the optimizer that kept going (and as one stepped copy by copy)."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 3, seed=1)
+    saved = copy.deepcopy(optimizer.state_dict())  # its tensors are the live state
+    values = [p.detach().clone() for p in params]
+    train(params, optimizer, 2, seed=2)
+
+    resumed_params, resumed = make(BUCKET_BYTES, monkeypatch, seed=9)
+    with torch.no_grad():
+        for param, value in zip(resumed_params, values):
+            param.copy_(value)
+    resumed.load_state_dict(saved)
+    train(resumed_params, resumed, 2, seed=2)
+    assert_same((resumed_params, resumed), (params, optimizer))
+    assert_moments_in_blocks(resumed)
+
+
+def test_counters_that_differ_step_copy_by_copy(monkeypatch):
+    """Copies whose counters differ (a client reset one) cannot share a step: each copy then
+    gets its own bias correction, as stepped copy by copy."""
+
+    def reset_one(optimizer):
+        first = next(iter(optimizer.state))
+        optimizer.state[first]["step"].fill_(1.0)
+
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 3, seed=4, between=reset_one)
+    reference_params, reference = make(0, monkeypatch)
+    train(reference_params, reference, 3, seed=4, between=reset_one)
+    assert_same((params, optimizer), (reference_params, reference))
