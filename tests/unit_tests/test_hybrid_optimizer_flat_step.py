@@ -146,3 +146,72 @@ def test_counters_that_differ_step_copy_by_copy(monkeypatch):
     reference_params, reference = make(0, monkeypatch)
     train(reference_params, reference, 3, seed=4, between=reset_one)
     assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_held_moments_stay_the_state_that_is_stepped(monkeypatch):
+    """A moment a client holds from before the blocks were laid out is still the entry's
+    tensor afterwards, stepped in place (torch's optimizers keep state objects)."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 1, seed=3)
+    held = {p: optimizer.state[p]["exp_avg"] for p in params}
+    train(params, optimizer, 3, seed=4)
+    assert_moments_in_blocks(optimizer)
+    reference_params, reference = make(0, monkeypatch)
+    train(reference_params, reference, 1, seed=3)
+    train(reference_params, reference, 3, seed=4)
+    for param, ref in zip(params, reference_params):
+        assert held[param] is optimizer.state[param]["exp_avg"]
+        assert torch.equal(held[param], reference.state[ref]["exp_avg"])
+
+
+@pytest.mark.parametrize("change", ["data", "swap"])
+def test_moments_re_pointed_or_swapped_by_a_client_are_stepped(change, monkeypatch):
+    """``.data`` replaced with other values, or two same-sized parameters' moments exchanged
+    (an expert permutation): the next step uses exactly what the entries then hold."""
+
+    def edit(optimizer):
+        entries = [optimizer.state[p] for p in optimizer.param_groups[0]["params"]]
+        if change == "data":
+            for entry in entries:
+                entry["exp_avg"].data = entry["exp_avg"] * 0.5
+        else:
+            first, second = entries  # SIZES[0] and SIZES[1] hold whole vectors: one segment
+            first["exp_avg"], second["exp_avg"] = second["exp_avg"][:16], first["exp_avg"][:16]
+
+    sizes = [16, 16] + SIZES[2:]
+
+    def build(bucket_bytes):
+        monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", bucket_bytes)
+        hdo_class = hybrid_optimizer.HybridDeviceOptimizer
+        return build_hdo(hdo_class, sizes, 1.0, device=DEVICE)
+
+    params, optimizer = build(BUCKET_BYTES)
+    train(params, optimizer, 4, seed=5, between=edit)
+    train(params, optimizer, 1, seed=6)
+    assert_moments_in_blocks(optimizer)
+    reference_params, reference = build(0)
+    train(reference_params, reference, 4, seed=5, between=edit)
+    train(reference_params, reference, 1, seed=6)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_cleared_state_leaves_no_block_behind(monkeypatch):
+    """The entries' tensors are the moment blocks' only owners: cleared state frees them."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 3, seed=1)
+    storages = {optimizer.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params}
+    optimizer.state.clear()
+    for bucket in flat_buckets(optimizer):
+        for state in bucket.flat.optimizer.state.values():
+            assert not any(torch.is_tensor(value) and value.numel() > 1 for value in state.values())
+    assert storages
+
+
+def test_step_hooks_of_a_host_sub_optimizer_run(monkeypatch):
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 1, seed=1)
+    calls = []
+    for sub in optimizer.cpu_optimizers:
+        sub.register_step_post_hook(lambda opt, args, kwargs: calls.append(opt))
+    train(params, optimizer, 2, seed=2)
+    assert len(calls) == 2 * len(optimizer.cpu_optimizers)

@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch._utils import _unflatten_dense_tensors
+from torch.optim import optimizer as _torch_optimizer
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -202,10 +203,13 @@ class FlatStep:
     work (a Python pass and a parallel region per copy) that dominates buckets of thousands
     of small copies.
 
-    The moments are moved into the blocks (one copy, the entries then holding views) whenever
-    they are found elsewhere: after the first step, a load, or a client's assignment. A step
-    in which some copy has no gradient, or the copies' counters differ, goes through the
-    sub-optimizer as usual; so does the first step, which creates the state.
+    The moments stay the entries' own tensors: where they are not laid out so (after the
+    first step, a load, a client's assignment or ``.data`` swap), they are copied into a new
+    block and re-pointed there (``.data``), so that references clients hold stay the state.
+    The entries' tensors are the blocks' only owners. A step goes through the sub-optimizer
+    as usual where some copy has no gradient, the copies' counters differ, two entries share
+    a tensor, or step hooks are registered (they run as they would); so does the first step,
+    which creates the state.
 
     Args:
         bucket: a packed bucket whose sub-optimizer :meth:`suits` this.
@@ -218,8 +222,8 @@ class FlatStep:
         self.entries = entries
         self._bucket = bucket
         self._dtype = bucket.hosts[0].dtype
+        self._offsets = [offset for _, _, offset in bucket.grads]
         self._segments = _segments(bucket.grads)
-        self._views: dict = {}  # per moment: the copies' views into its block, once made
         params = []
         for start, end in self._segments:
             params.append(bucket.master[start:end].view(self._dtype))
@@ -252,7 +256,7 @@ class FlatStep:
         """Step the bucket by segments; False (nothing done) where its state does not allow
         it, and the sub-optimizer must step it."""
         bucket = self._bucket
-        if bucket.keep is not None or bucket.master is not self.block:
+        if bucket.keep is not None or bucket.master is not self.block or _hooked(bucket.optimizer):
             return False
         counters = []
         for entry in self.entries:
@@ -263,25 +267,36 @@ class FlatStep:
             if len(entry) != 1 + len(_MOMENTS) + ("master_param" in entry):
                 return False
             counters.append(counter)
-        stacked = torch.stack(counters)
-        if not bool((stacked == stacked[0]).all()):
-            return False
         moments = [[entry.get(key) for entry in self.entries] for key in _MOMENTS]
         if not all(self._fits(values) for values in moments):
             return False
-        for key, values in zip(_MOMENTS, moments):
-            self._lay_out(key, values, counters[0])
+        tensors = [*counters, *moments[0], *moments[1]]
+        if len({id(t) for t in tensors}) != len(tensors):
+            return False  # a tensor stepped twice per step, copy by copy
+        stacked = torch.stack(counters)
+        if not bool((stacked == stacked[0]).all()):
+            return False
+        blocks = [self._block_of(values) for values in moments]
         group = self.optimizer.param_groups[0]
         group.update((k, v) for k, v in bucket.optimizer.param_groups[0].items() if k != "params")
-        own = [self.optimizer.state[param]["step"] for param in group["params"]]
+        states = [self.optimizer.state[param] for param in group["params"]]
+        for state, (start, end) in zip(states, self._segments):
+            for key, raw in zip(_MOMENTS, blocks):
+                state[key] = raw[start:end].view(self._dtype)
+            if state.get("step") is None or state["step"].dtype != counters[0].dtype:
+                state["step"] = counters[0].clone()
+        own = [state["step"] for state in states]
         # pylint: disable=protected-access
         torch._foreach_copy_(own, [counters[0]] * len(own))
         self.optimizer.step()
         torch._foreach_copy_(counters, [own[0]] * len(counters))
+        for state in states:  # the entries' tensors stay the blocks' only owners
+            for key in _MOMENTS:
+                del state[key]
         return True
 
     def _fits(self, values: List[Any]) -> bool:
-        """Whether these tensors (one per copy) can be moved into a block: host tensors of
+        """Whether these tensors (one per copy) can be stepped in a block: host tensors of
         their copy's dtype and size."""
         return all(
             isinstance(value, torch.Tensor)
@@ -291,24 +306,32 @@ class FlatStep:
             for value, host in zip(values, self._bucket.hosts)
         )
 
-    def _lay_out(self, key: str, values: List[torch.Tensor], counter: torch.Tensor):
-        """Make each entry's ``key`` a view into that moment's block, copying the values of
-        those that are elsewhere; the first time, give the segments their state."""
-        views = self._views.get(key)
-        if views is None:
-            raw = torch.zeros(self._bucket.nbytes, dtype=torch.uint8)
-            views = self._views[key] = [
-                _typed_view(raw, offset, host) for host, _, offset in self._bucket.grads
-            ]
-            params = self.optimizer.param_groups[0]["params"]
-            for param, (start, end) in zip(params, self._segments):
-                state = self.optimizer.state[param]
-                state[key] = raw[start:end].view(self._dtype)
-                state.setdefault("step", counter.clone())
-        for entry, value, view in zip(self.entries, values, views):
-            if value.data_ptr() != view.data_ptr():
-                view.copy_(value.reshape(view.shape))
-                dict.__setitem__(entry, key, view)
+    def _block_of(self, values: List[torch.Tensor]) -> torch.Tensor:
+        """The raw block these tensors (one per copy) are views into, laid out like the
+        copies; where they are not, a new one they are copied into and re-pointed at."""
+        base = values[0].untyped_storage()
+        if base.nbytes() >= self._bucket.nbytes and all(
+            value.data_ptr() - base.data_ptr() == offset and value.is_contiguous()
+            for value, offset in zip(values, self._offsets)
+        ):
+            return torch.empty(0, dtype=torch.uint8).set_(base)
+        # A new block: tensors laid out in the old one (swapped, say) are read before any is
+        # re-pointed.
+        raw = torch.zeros(self._bucket.nbytes, dtype=torch.uint8)
+        views = [_typed_view(raw, offset, value) for value, offset in zip(values, self._offsets)]
+        for value, view in zip(values, views):
+            view.copy_(value)
+        for value, view in zip(values, views):
+            value.data = view
+        return raw
+
+
+def _hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step hooks would see ``optimizer``'s step (its own, or every optimizer's)."""
+    # pylint: disable=protected-access
+    own = optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+    every = _torch_optimizer._global_optimizer_pre_hooks
+    return bool(own or every or _torch_optimizer._global_optimizer_post_hooks)
 
 
 def _segments(grads: List[Tuple[torch.Tensor, torch.Tensor, int]]) -> List[Tuple[int, int]]:
