@@ -230,6 +230,7 @@ class FlatStep:
             params[-1].grad = slot[start:end].view(self._dtype)
         settings = {k: v for k, v in bucket.optimizer.param_groups[0].items() if k != "params"}
         self.optimizer = type(bucket.optimizer)([{**settings, "params": params}])
+        self._seen: Optional[tuple] = None  # the state as the last step left it (_look)
 
     @staticmethod
     def suits(bucket: "_Bucket") -> bool:
@@ -258,25 +259,17 @@ class FlatStep:
         bucket = self._bucket
         if bucket.keep is not None or bucket.master is not self.block or _hooked(bucket.optimizer):
             return False
-        counters = []
-        for entry in self.entries:
-            counter = entry.get("step")
-            # The counter and the moments, and the master where the entry shows one.
-            if not isinstance(counter, torch.Tensor) or counter.dim() != 0:
+        entries = self.entries
+        counters = [entry.get("step") for entry in entries]
+        moments = [[entry.get(key) for entry in entries] for key in _MOMENTS]
+        if self._seen is not None and self._seen == self._look(entries, counters, moments):
+            # As the last step left them: laid out, where _block_of put them.
+            blocks = [_whole_block(values[0]) for values in moments]
+        else:
+            self._seen = None
+            if not self._can_step(entries, counters, moments):
                 return False
-            if len(entry) != 1 + len(_MOMENTS) + ("master_param" in entry):
-                return False
-            counters.append(counter)
-        moments = [[entry.get(key) for entry in self.entries] for key in _MOMENTS]
-        if not all(self._fits(values) for values in moments):
-            return False
-        tensors = [*counters, *moments[0], *moments[1]]
-        if len({id(t) for t in tensors}) != len(tensors):
-            return False  # a tensor stepped twice per step, copy by copy
-        stacked = torch.stack(counters)
-        if not bool((stacked == stacked[0]).all()):
-            return False
-        blocks = [self._block_of(values) for values in moments]
+            blocks = [self._block_of(values) for values in moments]
         group = self.optimizer.param_groups[0]
         group.update((k, v) for k, v in bucket.optimizer.param_groups[0].items() if k != "params")
         states = [self.optimizer.state[param] for param in group["params"]]
@@ -293,7 +286,41 @@ class FlatStep:
         for state in states:  # the entries' tensors stay the blocks' only owners
             for key in _MOMENTS:
                 del state[key]
+        self._seen = self._look(entries, counters, moments)
         return True
+
+    @staticmethod
+    def _look(entries, counters, moments) -> Optional[tuple]:
+        """What the next step compares to see that nothing changed since this one: the
+        entries' sizes, which counters they hold and whether those were written in place
+        (their versions), and where each moment's memory is (a ``.data`` swap moves it).
+        Numbers only, so that it keeps no tensor alive; None where some value is no tensor."""
+        try:
+            return (
+                list(map(len, entries)),
+                list(map(id, counters)),
+                [counter._version for counter in counters],  # pylint: disable=protected-access
+                [list(map(torch.Tensor.data_ptr, values)) for values in moments],
+            )
+        except (AttributeError, TypeError):
+            return None
+
+    def _can_step(self, entries, counters, moments) -> bool:
+        """Whether the entries can be stepped by segments: each a counter and the moments
+        (and the master), counters equal and of one value, moments host tensors of their
+        copy's dtype and size, no tensor in two places."""
+        for entry, counter in zip(entries, counters):
+            if not isinstance(counter, torch.Tensor) or counter.dim() != 0:
+                return False
+            if len(entry) != 1 + len(_MOMENTS) + ("master_param" in entry):
+                return False
+        if not all(self._fits(values) for values in moments):
+            return False
+        tensors = [*counters, *(value for values in moments for value in values)]
+        if len({id(t) for t in tensors}) != len(tensors):
+            return False  # a tensor stepped twice per step, copy by copy
+        stacked = torch.stack(counters)
+        return bool((stacked == stacked[0]).all())
 
     def _fits(self, values: List[Any]) -> bool:
         """Whether these tensors (one per copy) can be stepped in a block: host tensors of
@@ -314,7 +341,7 @@ class FlatStep:
             value.data_ptr() - base.data_ptr() == offset and value.is_contiguous()
             for value, offset in zip(values, self._offsets)
         ):
-            return torch.empty(0, dtype=torch.uint8).set_(base)
+            return _whole_block(values[0])
         # A new block: tensors laid out in the old one (swapped, say) are read before any is
         # re-pointed.
         raw = torch.zeros(self._bucket.nbytes, dtype=torch.uint8)
@@ -324,6 +351,11 @@ class FlatStep:
         for value, view in zip(values, views):
             value.data = view
         return raw
+
+
+def _whole_block(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of the whole storage ``tensor`` views."""
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
 
 
 def _hooked(optimizer: torch.optim.Optimizer) -> bool:
