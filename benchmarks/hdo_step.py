@@ -36,6 +36,7 @@ import time
 
 import torch
 from hdo_cases import CASES, case_numels
+from hdo_step_breakdown import breakdown
 
 from megatron_optimizer_fork import load_upstream_module
 from megatron_optimizer_fork.memory import pinned_bytes_held, pinned_bytes_in_use
@@ -233,6 +234,8 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         "pinned_live": pinned_bytes_in_use(),
         "digest": digest.hexdigest(),
     }
+    if args.breakdown:  # after the digest: these steps change the parameters
+        result["breakdown_ms"] = breakdown(optimizer, hand_out_grads)
     del optimizer, params, grads
     gc.collect()
     return result
@@ -262,6 +265,7 @@ def run_worker(args, name, fraction, overlap):
         str(args.repeats),
         "--warmup",
         str(args.warmup),
+        *(["--breakdown"] if args.breakdown else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -310,6 +314,12 @@ def parse_args():
         "default",
     )
     parser.add_argument("--skip-upstream", action="store_true", help="time the fork alone")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="after the timed steps, time the parts of the fork's step (host steps, copies' "
+        "queueing, the in-place step) over three more and print them under its row",
+    )
     parser.add_argument("--out", default="results", help="folder of the JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -354,6 +364,7 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "step_max_s": result["step_max"],
         "outside_s": result["outside"],
         "worker_s": result.get("worker_s", 0.0),
+        "breakdown_ms": result.get("breakdown_ms", {}),
         "floor_s": serial,
         "limit_s": limit,
         "ratio": result["step"] / serial if serial else float("nan"),
@@ -411,6 +422,11 @@ def main():
                     rows.append(row_of(case, fraction, overlap, name, result, floor, exact))
                     # Each row as soon as it is known, so a run cut short keeps what it has.
                     print(" ".join(f"{cell(rows[-1]):>{width}}" for _, width, cell in COLUMNS))
+                    parts = result.get("breakdown_ms")
+                    if parts:
+                        print(
+                            "    ms a step: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+                        )
                 sys.stdout.flush()
                 with open(path, "w", encoding="utf-8") as out:
                     summary = {**vars(args), "case": cases}

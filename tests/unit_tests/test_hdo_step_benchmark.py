@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     from fork_tools import load_tool
@@ -32,3 +33,30 @@ def test_the_contended_limit_takes_adam_as_timed_beside_the_copies():
     assert benchmark.row_of("x", 1.0, True, "fork", result, slow_bus, True)[
         "limit_contended_s"
     ] == pytest.approx(0.2)
+
+
+def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
+    """The parts are timed within the step and the optimizer is left as it was: its methods
+    are its class's again, and a later step runs untimed."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        pytest.skip("the parts are the fork's methods")
+    split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (64, 3, 1000)]
+    hdo = hybrid_optimizer.HybridDeviceOptimizer(
+        [{"params": params}], offload_fraction=0.5, lr=1e-3, cpu_optimizer_cls=torch.optim.AdamW
+    )
+
+    def grads():
+        for param in params:
+            param.grad = torch.ones_like(param)
+
+    grads()
+    hdo.step()
+    parts = split.breakdown(hdo, grads, steps=2)
+    assert {"step", "host step", "download queueing", "upload queueing"} <= set(parts)
+    assert sum(v for k, v in parts.items() if k != "step") <= parts["step"] * 1.01
+    assert "_download" not in vars(hdo) and "step" not in vars(hdo._buckets[0].optimizer)
+    assert split.breakdown(torch.optim.AdamW(params), grads) == {}

@@ -1,0 +1,84 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Where the fork's HDO step spends its time: wall time of each of its parts, per step.
+
+Used by ``hdo_step.py --breakdown`` after the timed steps (and after the parameters' digest,
+since these steps change them). The parts are the fork's own methods, so an upstream
+optimizer, or one without them, gets no breakdown. Each part is timed on the calling thread,
+including the time it waits (for a download to land, for the last upload): the parts add up
+to about the step.
+"""
+
+import collections
+import contextlib
+import time
+from typing import Callable, Dict, Iterator
+
+import torch
+
+PARTS = {
+    "_set_sub_optimizer_grads": "in-place grads",
+    "_download": "download queueing",
+    "_upload": "upload queueing",
+}
+"""The HDO's methods timed, and the name each is reported under."""
+
+
+@contextlib.contextmanager
+def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator[None]:
+    """Replace ``target.name`` by a wrapper adding its wall time to ``totals[label]``."""
+    original = getattr(target, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+
+    setattr(target, name, timed)
+    try:
+        yield
+    finally:
+        # An instance attribute hides the class's method: removing it restores that.
+        if name in vars(target) and getattr(type(target), name, None) is not None:
+            delattr(target, name)
+        else:
+            setattr(target, name, original)
+
+
+def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str, float]:
+    """Milliseconds per step of each part of ``optimizer.step()`` over ``steps`` steps.
+
+    Args:
+        optimizer: the fork's HybridDeviceOptimizer, already stepped at least once.
+        before: what runs ahead of each step (handing out gradients), not timed.
+        steps: steps to average over.
+
+    Returns:
+        ``{part: ms per step}`` with ``step`` (the whole step) and ``host step`` (the host
+        buckets' optimizer steps, stepped by segments or copy by copy); empty where the
+        optimizer has none of the fork's parts.
+    """
+    buckets = getattr(optimizer, "_buckets", None)
+    if buckets is None or not all(hasattr(optimizer, name) for name in PARTS):
+        return {}
+    totals: Dict[str, float] = collections.defaultdict(float)
+    with contextlib.ExitStack() as stack:
+        for name, label in PARTS.items():
+            stack.enter_context(_timing(optimizer, name, label, totals))
+        for bucket in buckets:
+            stack.enter_context(_timing(bucket.optimizer, "step", "host step", totals))
+            if getattr(bucket, "flat", None) is not None:
+                stack.enter_context(_timing(bucket.flat, "step", "host step", totals))
+        if optimizer.gpu_optimizer is not None:
+            stack.enter_context(_timing(optimizer.gpu_optimizer, "step", "in-place step", totals))
+        for _ in range(steps):
+            before()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            optimizer.step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            totals["step"] += time.perf_counter() - start
+    return {label: 1e3 * total / steps for label, total in totals.items()}
