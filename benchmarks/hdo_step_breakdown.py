@@ -27,6 +27,7 @@ PARTS = {
 def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator[None]:
     """Replace ``target.name`` by a wrapper adding its wall time to ``totals[label]``."""
     original = getattr(target, name)
+    own = name in vars(target)  # an instance attribute, or the class's method
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
@@ -39,11 +40,10 @@ def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator
     try:
         yield
     finally:
-        # An instance attribute hides the class's method: removing it restores that.
-        if name in vars(target) and getattr(type(target), name, None) is not None:
-            delattr(target, name)
-        else:
+        if own:
             setattr(target, name, original)
+        else:
+            delattr(target, name)  # the class's method shows again
 
 
 def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str, float]:

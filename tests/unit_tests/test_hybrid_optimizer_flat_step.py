@@ -199,12 +199,10 @@ def test_cleared_state_leaves_no_block_behind(monkeypatch):
     """The entries' tensors are the moment blocks' only owners: cleared state frees them."""
     params, optimizer = make(BUCKET_BYTES, monkeypatch)
     train(params, optimizer, 3, seed=1)
-    storages = {optimizer.state[p]["exp_avg"].untyped_storage().data_ptr() for p in params}
     optimizer.state.clear()
     for bucket in flat_buckets(optimizer):
         for state in bucket.flat.optimizer.state.values():
             assert not any(torch.is_tensor(value) and value.numel() > 1 for value in state.values())
-    assert storages
 
 
 def test_step_hooks_of_a_host_sub_optimizer_run(monkeypatch):

@@ -509,8 +509,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bucket.up = [_typed_view(up, offset, host) for host, _, offset in bucket.grads]
 
     def _pack(self, bucket: _Bucket, pin: bool):
-        """Lay the bucket's host copies out as one block, and step it as one where it can."""
+        """Lay the bucket's host copies out as one block, and step it by segments where it can
+        (a FlatStep holds views of the block, so each block gets its own)."""
         pack_host_copies(bucket, pin)
+        bucket.flat = None
         if FlatStep.suits(bucket):
             entries = [self._entries_by_inner[host] for host in bucket.hosts]
             bucket.flat = FlatStep(bucket, self._ring[bucket.slot], entries)

@@ -16,6 +16,8 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 from torch.optim import optimizer as _torch_optimizer
 
+from megatron.core.optimizer.inner_optimizer_state import STATE_BY_EXAMPLE
+
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -178,10 +180,6 @@ def pack_host_copies(bucket: "_Bucket", pin: bool) -> None:
     bucket.master_ptrs = [host.data_ptr() for host in bucket.hosts]
 
 
-FLAT_STEPPED = (torch.optim.Adam, torch.optim.AdamW)
-"""Host sub-optimizer classes (exactly these) whose update is elementwise and whose state is
-per-element moments and a step counter, so that a packed bucket can be stepped as one tensor."""
-
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 _VECTOR_BYTES = 64
@@ -218,7 +216,6 @@ class FlatStep:
     """
 
     def __init__(self, bucket: "_Bucket", slot: torch.Tensor, entries: List[dict]):
-        self.block = bucket.master
         self.entries = entries
         self._bucket = bucket
         self._dtype = bucket.hosts[0].dtype
@@ -237,7 +234,8 @@ class FlatStep:
         """Whether ``bucket`` can be stepped by segments: packed, all its sub-optimizer's
         parameters offloaded copies of one dtype, an elementwise optimizer without amsgrad."""
         optimizer = bucket.optimizer
-        if not bucket.packed or bucket.master is None or type(optimizer) not in FLAT_STEPPED:
+        # torch's own Adam and AdamW: an elementwise update, state of moments and a counter.
+        if not bucket.packed or bucket.master is None or type(optimizer) not in STATE_BY_EXAMPLE:
             return False
         if len(optimizer.param_groups) != 1:
             return False
@@ -257,7 +255,7 @@ class FlatStep:
         """Step the bucket by segments; False (nothing done) where its state does not allow
         it, and the sub-optimizer must step it."""
         bucket = self._bucket
-        if bucket.keep is not None or bucket.master is not self.block or _hooked(bucket.optimizer):
+        if bucket.keep is not None or _hooked(bucket.optimizer):
             return False
         entries = self.entries
         counters = [entry.get("step") for entry in entries]
