@@ -30,7 +30,6 @@ import torch
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # re-exported
-    FlatStep,
     _Bucket,
     _nbytes,
     _on_stream,
@@ -490,7 +489,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pinned_blocks = set(plan.blocks_to_pin)
         for index, bucket in enumerate(self._buckets):
             if bucket.packed:
-                self._pack(bucket, index in pinned_blocks)
+                pack_host_copies(bucket, index in pinned_blocks)
         for host in plan.masters_to_pin:
             # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
             host.data = host.pin_memory()
@@ -507,15 +506,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for bucket in on_cuda:
                 bucket.down = [_typed_view(down, offset, host) for host, _, offset in bucket.grads]
                 bucket.up = [_typed_view(up, offset, host) for host, _, offset in bucket.grads]
-
-    def _pack(self, bucket: _Bucket, pin: bool):
-        """Lay the bucket's host copies out as one block, and step it by segments where it can
-        (a FlatStep holds views of the block, so each block gets its own)."""
-        pack_host_copies(bucket, pin)
-        bucket.flat = None
-        if FlatStep.suits(bucket):
-            entries = [self._entries_by_inner[host] for host in bucket.hosts]
-            bucket.flat = FlatStep(bucket, self._ring[bucket.slot], entries)
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
@@ -604,8 +594,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
             if event is not None:
                 event.synchronize()
-            if bucket.flat is None or not bucket.flat.step():
-                bucket.optimizer.step()
+            bucket.optimizer.step()
             if bucket.follower is not None:
                 self._download(bucket.follower)
             self._upload(bucket, staged_in_slot=bucket.follower is None)
@@ -664,7 +653,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         bucket = self._buckets[index]
         if bucket.master is not None and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
-            self._pack(bucket, bucket.master.is_pinned())  # a copy was re-pointed
+            pack_host_copies(bucket, bucket.master.is_pinned())  # a copy was re-pointed
         grads = [_grad_of(param) for param in bucket.params]
         bucket.keep = None
         if any(grad is None for grad in grads):
