@@ -20,8 +20,9 @@ allocated before the load, in MiB and in state sets: one state set is the bytes 
 ``exp_avg`` + ``exp_avg_sq`` of the rank's shard in their stored dtype on the GPU, and "state"
 is everything the optimizer keeps per parameter there (master copies or remainders too), the
 least any load must allocate. Offloaded state lives on the host; where no state is on the GPU
-only MiB are shown. It also reports the whole load's wall time and whether the resumed run
-is bit-exact. Each implementation resumes its own checkpoint, one job at a time.
+only MiB are shown. It also reports the whole load's wall time, each phase's (``phases s``:
+up to its last kernel, in the order above), and whether the resumed run is bit-exact. Each
+implementation resumes its own checkpoint, one job at a time.
 
 Needs CUDA and Transformer Engine (rows needing TE are reported as skipped without it)."""
 
@@ -59,7 +60,8 @@ def figures(result):
     Returns:
         dict: ``state_set_mib``, ``state_sets`` (everything kept per parameter on the GPU, in
         state sets), then ``<phase>_peak`` / ``<phase>_after`` in state sets and
-        ``<phase>_peak_mib`` / ``<phase>_after_mib``, ``peak``, ``load_s`` and ``exact``.
+        ``<phase>_peak_mib`` / ``<phase>_after_mib``, ``<phase>_s`` (its wall time), ``peak``,
+        ``load_s`` and ``exact``.
     """
     state = result.get("optimizer_state_bytes") or {}
     unit = state.get("gpu_moments") or 0
@@ -78,6 +80,7 @@ def figures(result):
             value = (result.get(key) or {}).get(phase)
             out[f"{phase}_{kind}_mib"] = None if value is None else value / 2**20
             out[f"{phase}_{kind}"] = None if value is None else sets(value)
+        out[f"{phase}_s"] = (result.get("load_phase_seconds") or {}).get(phase)
     return out
 
 
@@ -99,7 +102,7 @@ def report(table, out=sys.stdout):
         print(
             f"  {'':9} {'set MiB':>8} {'state':>6} | "
             + " | ".join(f"{p + ' peak/after':>27}" for p in PHASES)
-            + f" | {'peak':>5} {'load s':>7} exact",
+            + f" | {'peak':>5} {'load s':>7} {'phases s':>14} exact",
             file=out,
         )
         for side in IMPLEMENTATIONS:
@@ -124,6 +127,7 @@ def report(table, out=sys.stdout):
                 f"  {side:9} {item['state_set_mib']:8.0f} {_cell(item['state_sets']):>6} | "
                 + " | ".join(f"{c:>27}" for c in cells)
                 + f" | {_cell(item['peak']):>5} {_cell(item['load_s'], 3):>7} "
+                + f"{'/'.join(_cell(item.get(f'{p}_s')) for p in PHASES):>14} "
                 + ("yes" if item["exact"] else "NO")
                 + _spread(item.get("load_s_all") or []),
                 file=out,
@@ -175,6 +179,13 @@ def summarise(results):
     item["error"] = "; ".join(errors) if errors else None
     item["load_s_all"] = [r["load_seconds"] for r in loaded if r.get("load_seconds") is not None]
     item["load_s"] = statistics.median(item["load_s_all"]) if item["load_s_all"] else None
+    for phase in PHASES:
+        times = [
+            r["load_phase_seconds"][phase]
+            for r in loaded
+            if phase in r.get("load_phase_seconds", {})
+        ]
+        item[f"{phase}_s"] = statistics.median(times) if times else None
     return item
 
 

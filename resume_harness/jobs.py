@@ -147,6 +147,7 @@ def load_one(case, folder, args, rank, manifest, result, built=None):
     result["fused_adam_load_plans"] = plans.messages
     result["load_phase_peak_gpu_extra_bytes"] = peaks.peaks
     result["load_phase_after_gpu_extra_bytes"] = peaks.after
+    result["load_phase_seconds"] = peaks.seconds
     result["load_peak_gpu_extra_bytes"] = max(peaks.peaks.values())
     result["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
     gc.collect()

@@ -4,6 +4,7 @@ fork's FusedAdam loader logs."""
 
 import contextlib
 import logging
+import time
 
 import torch
 
@@ -14,8 +15,8 @@ PLAN_LOGGER = "megatron.core.optimizer.fused_adam_state_load"
 
 
 class PhasePeaks:
-    """Peak GPU memory of each phase of a load, and what stays allocated after it, above what
-    was allocated when the load started.
+    """Peak GPU memory of each phase of a load, what stays allocated after it (both above what
+    was allocated when the load started), and its wall time up to its last kernel.
 
     The peak counter is reset as each phase begins, so the largest phase peak is the peak of
     the whole load.
@@ -26,14 +27,17 @@ class PhasePeaks:
         self.start = torch.cuda.memory_allocated()
         self.peaks = {}
         self.after = {}
+        self.seconds = {}
 
     @contextlib.contextmanager
     def phase(self, name):
         """Measure the block as phase ``name``."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
         yield
         torch.cuda.synchronize()
+        self.seconds[name] = time.perf_counter() - began
         self.peaks[name] = torch.cuda.max_memory_allocated() - self.start
         self.after[name] = torch.cuda.memory_allocated() - self.start
 

@@ -59,6 +59,7 @@ def merge_case(parts):
     for figures in (
         "load_phase_peak_gpu_extra_bytes",
         "load_phase_after_gpu_extra_bytes",
+        "load_phase_seconds",
         "optimizer_state_bytes",
     ):
         found = [part.get(figures) or {} for part in parts]

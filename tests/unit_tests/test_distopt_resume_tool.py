@@ -310,12 +310,14 @@ def test_load_memory_reports_phases_in_state_sets():
         "load_phase_after_gpu_extra_bytes": {"is_loading": 6 * mib, "read": 6 * mib},
         "load_peak_gpu_extra_bytes": 7 * mib,
         "load_seconds": 1.5,
+        "load_phase_seconds": {"is_loading": 0.25, "read": 1.0},
         "exact": True,
     }
     found = benchmark.figures(result)
     assert (found["state_set_mib"], found["state_sets"], found["peak"]) == (4, 1.5, 1.75)
     assert (found["read_peak"], found["read_after"], found["read_peak_mib"]) == (1.75, 1.5, 7)
     assert found["load_state_dict_peak"] is None
+    assert (found["is_loading_s"], found["read_s"], found["load_state_dict_s"]) == (0.25, 1, None)
     # Offloaded state: no state set on the GPU, so only MiB.
     offloaded = benchmark.figures(dict(result, optimizer_state_bytes={"host_moments": 4 * mib}))
     assert offloaded["read_peak"] is None and offloaded["read_peak_mib"] == 7
@@ -333,6 +335,7 @@ def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypat
         order.append(side)
         state = {"gpu_moments": 2**20, "gpu_all": 2**20 * len(order)}
         result = {"optimizer_state_bytes": state, "load_seconds": float(len(order))}
+        result["load_phase_seconds"] = {"read": len(order) / 2}
         result["exact"] = len(order) != 4  # upstream's second run drifts
         if len(order) == 3:  # the fork's second run fails
             result = {"error": "RuntimeError: injected"}
@@ -347,6 +350,8 @@ def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypat
     assert fork["state_sets"] == 2.0  # the first run's figures
     assert not fork["exact"] and fork["error"] == "run 2: RuntimeError: injected"
     assert upstream["load_s_all"] == [1.0, 4.0, 5.0] and upstream["load_s"] == 4.0
+    # Each phase's time is the median of the runs that loaded, like the whole load's.
+    assert (upstream["read_s"], fork["read_s"], fork["is_loading_s"]) == (2.0, 2.0, None)
     assert not upstream["exact"] and upstream["error"] is None
 
 
