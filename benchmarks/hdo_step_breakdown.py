@@ -56,8 +56,7 @@ def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str
 
     Returns:
         ``{part: ms per step}`` with ``step`` (the whole step) and ``host step`` (the host
-        buckets' optimizer steps, stepped by segments or copy by copy); empty where the
-        optimizer has none of the fork's parts.
+        buckets' sub-optimizer steps); empty where the optimizer has none of the fork's parts.
     """
     buckets = getattr(optimizer, "_buckets", None)
     if buckets is None or not all(hasattr(optimizer, name) for name in PARTS):
