@@ -415,6 +415,33 @@ def test_load_writes_in_place(group):
         assert [t.data_ptr() for t in target.inner_state.read(main).values()] == before[id(main)]
 
 
+def test_single_rank_load_copies_nothing_on_the_host(group, monkeypatch):
+    """With one data-parallel rank the loaded tensors are the shard: nothing is scattered and
+    no host tensor the size of a bucket is made; the values still land exactly."""
+    state = fill(ForkHost(LAYOUT, group), seed=6, step=1).get_parameter_state_dp_zero()
+    target = fill(ForkHost(LAYOUT, group), seed=7, step=1)
+    largest_piece = max(len(piece) for piece in target.param_range_of.values())
+    made = []
+    for name in ("empty", "zeros"):
+        real = getattr(torch, name)
+
+        def recording(*size, _real=real, **kwargs):
+            tensor = _real(*size, **kwargs)
+            made.append(tensor.numel())
+            return tensor
+
+        monkeypatch.setattr(torch, name, recording)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a single-rank load scattered")
+
+    monkeypatch.setattr(torch.distributed, "scatter", refuse)
+    target.load_parameter_state_from_dp_zero(state)
+    monkeypatch.undo()
+    assert all(numel <= largest_piece for numel in made), made
+    assert_holds_truth(target, 6)
+
+
 # ------------------------------------------------------------------------ compatibility
 
 

@@ -646,12 +646,18 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
             numels = self._bucket_numels(gbuf_idx, dtypes, group.size())
             for bucket_idx, (bucket_map, (padded, _)) in enumerate(zip(bucket_maps, numels)):
                 bucket_state = per_bucket[gbuf_idx][bucket_idx] if is_root else None
-                received = {
-                    key: self._scatter_shard(
-                        bucket_state[key] if is_root else None, padded, group, device
-                    )
-                    for key in keys
-                }
+                if group.size() == 1:
+                    # The only rank's shard is the whole bucket, already in host memory: the
+                    # pieces are written straight from the loaded tensors, without the padded
+                    # copy and the scatter's second one (each as large as the state).
+                    received = {key: bucket_state[key].to(torch.float32) for key in keys}
+                else:
+                    received = {
+                        key: self._scatter_shard(
+                            bucket_state[key] if is_root else None, padded, group, device
+                        )
+                        for key in keys
+                    }
                 for model_param, ranges in bucket_map["param_map"].items():
                     local = ranges["gbuf_local"]
                     self._set_main_param_and_optimizer_states(
