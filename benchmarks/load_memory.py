@@ -136,12 +136,29 @@ def report(table, out=sys.stdout):
                 print(f"  {'':9} error: {item['error'][:300]}", file=out)
 
 
-def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1):
+def progress_line(row, side, repeat, result):
+    """One job's outcome as soon as it ends, so that a run cut short still shows what ran."""
+    head = f"  run {repeat + 1} {side:8} {row}:"
+    if result.get("skipped"):
+        return f"{head} skipped"
+    if result.get("error"):
+        return f"{head} error: {result['error'][:200]}"
+    item = figures(result)
+    peaks = "/".join(_cell(item[f"{phase}_peak"]) for phase in PHASES)
+    phases = "/".join(_cell(item.get(f"{phase}_s")) for phase in PHASES)
+    return (
+        f"{head} load {_cell(item['load_s'], 3)} s (phases {phases} s), peaks {peaks} sets, "
+        f"exact {'yes' if result.get('exact') else 'NO'}"
+    )
+
+
+def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1, out=None):
     """Measure ``rows`` for both implementations; returns ``{row: {side: figures}}``.
 
     With ``repeats`` above 1 each implementation trains, saves and loads again, the order of
     the two alternating, so that a slower machine phase does not fall on one side only (see
-    :func:`summarise` for how the runs are folded into one row).
+    :func:`summarise` for how the runs are folded into one row). With ``out`` a stream, each
+    job's :func:`progress_line` is written to it as the job ends.
     """
     cases = [distopt_resume.Case.parse(ROWS[row]) for row in rows]
     runs = {row: {side: [] for side in IMPLEMENTATIONS} for row in rows}
@@ -162,6 +179,8 @@ def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1):
             for row, case in zip(rows, cases):
                 result = results.get(case.key(nproc, side, side), {"error": "no result"})
                 runs[row][side].append(result)
+                if out is not None:
+                    print(progress_line(row, side, repeat, result), file=out, flush=True)
     return {row: {side: summarise(runs[row][side]) for side in IMPLEMENTATIONS} for row in rows}
 
 
@@ -242,6 +261,7 @@ def main(argv=None):
         args.steps_after,
         args.log_dir,
         max(1, args.repeats),
+        out=sys.stdout,
     )
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1, default=str), encoding="utf-8")

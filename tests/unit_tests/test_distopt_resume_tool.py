@@ -4,6 +4,7 @@ torchrun jobs share the GPUs, and that its one table is what every tool, benchma
 reads."""
 
 import dataclasses
+import io
 import json
 import threading
 import time
@@ -343,8 +344,17 @@ def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypat
 
     monkeypatch.setattr(benchmark.distopt_resume, "drive", drive)
     row = "bf16-dp_reshardable"
-    table = benchmark.run([row], None, 1, 2, 2, repeats=3)
+    stream = io.StringIO()
+    table = benchmark.run([row], None, 1, 2, 2, repeats=3, out=stream)
     assert order == ["upstream", "fork", "fork", "upstream", "upstream", "fork"]
+    # Each job's line is written as it ends, in the order the jobs ran.
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1:3] for line in lines] == [
+        [str(n // 2 + 1), side] for n, side in enumerate(order)
+    ]
+    assert "load 1.000 s (phases -/0.50/- s)" in lines[0] and lines[0].endswith("exact yes")
+    assert "error: RuntimeError: injected" in lines[2]
+    assert lines[3].endswith("exact NO")
     fork, upstream = table[row]["fork"], table[row]["upstream"]
     assert fork["load_s_all"] == [2.0, 6.0] and fork["load_s"] == 4.0
     assert fork["state_sets"] == 2.0  # the first run's figures
