@@ -88,6 +88,11 @@ def _cell(value, digits=2):
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _phase_times(item):
+    """Each phase's wall time, in the order of :data:`PHASES`, as ``a/b/c``."""
+    return "/".join(_cell(item.get(f"{phase}_s")) for phase in PHASES)
+
+
 def _spread(times):
     """`` (n runs, min-max s)`` after the median load time, when there are several runs."""
     if len(times) < 2:
@@ -127,7 +132,7 @@ def report(table, out=sys.stdout):
                 f"  {side:9} {item['state_set_mib']:8.0f} {_cell(item['state_sets']):>6} | "
                 + " | ".join(f"{c:>27}" for c in cells)
                 + f" | {_cell(item['peak']):>5} {_cell(item['load_s'], 3):>7} "
-                + f"{'/'.join(_cell(item.get(f'{p}_s')) for p in PHASES):>14} "
+                + f"{_phase_times(item):>14} "
                 + ("yes" if item["exact"] else "NO")
                 + _spread(item.get("load_s_all") or []),
                 file=out,
@@ -145,9 +150,9 @@ def progress_line(row, side, repeat, result):
         return f"{head} error: {result['error'][:200]}"
     item = figures(result)
     peaks = "/".join(_cell(item[f"{phase}_peak"]) for phase in PHASES)
-    phases = "/".join(_cell(item.get(f"{phase}_s")) for phase in PHASES)
     return (
-        f"{head} load {_cell(item['load_s'], 3)} s (phases {phases} s), peaks {peaks} sets, "
+        f"{head} load {_cell(item['load_s'], 3)} s (phases {_phase_times(item)} s), "
+        f"peaks {peaks} sets, "
         f"exact {'yes' if result.get('exact') else 'NO'}"
     )
 

@@ -416,29 +416,28 @@ def test_load_writes_in_place(group):
 
 
 def test_single_rank_load_copies_nothing_on_the_host(group, monkeypatch):
-    """With one data-parallel rank the loaded tensors are the shard: nothing is scattered and
-    no host tensor the size of a bucket is made; the values still land exactly."""
+    """With one data-parallel rank the loaded tensors are the shard: every piece is written
+    from a view of them (no padded copy, no scatter into a second buffer), and exactly."""
     state = fill(ForkHost(LAYOUT, group), seed=6, step=1).get_parameter_state_dp_zero()
+    loaded = {
+        value.untyped_storage().data_ptr()
+        for entry in state.values()
+        if isinstance(entry, dict)
+        for by_key in entry.values()
+        for value in by_key.values()
+        if isinstance(value, torch.Tensor)
+    }
     target = fill(ForkHost(LAYOUT, group), seed=7, step=1)
-    largest_piece = max(len(piece) for piece in target.param_range_of.values())
-    made = []
-    for name in ("empty", "zeros"):
-        real = getattr(torch, name)
+    sources = []
+    write = target._set_main_param_and_optimizer_states
 
-        def recording(*size, _real=real, **kwargs):
-            tensor = _real(*size, **kwargs)
-            made.append(tensor.numel())
-            return tensor
+    def recording(model_param, tensors):
+        sources.extend(tensor.untyped_storage().data_ptr() for tensor in tensors.values())
+        write(model_param, tensors)
 
-        monkeypatch.setattr(torch, name, recording)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a single-rank load scattered")
-
-    monkeypatch.setattr(torch.distributed, "scatter", refuse)
+    monkeypatch.setattr(target, "_set_main_param_and_optimizer_states", recording)
     target.load_parameter_state_from_dp_zero(state)
-    monkeypatch.undo()
-    assert all(numel <= largest_piece for numel in made), made
+    assert sources and set(sources) <= loaded
     assert_holds_truth(target, 6)
 
 

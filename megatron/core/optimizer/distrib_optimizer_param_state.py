@@ -646,18 +646,12 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
             numels = self._bucket_numels(gbuf_idx, dtypes, group.size())
             for bucket_idx, (bucket_map, (padded, _)) in enumerate(zip(bucket_maps, numels)):
                 bucket_state = per_bucket[gbuf_idx][bucket_idx] if is_root else None
-                if group.size() == 1:
-                    # The only rank's shard is the whole bucket, already in host memory: the
-                    # pieces are written straight from the loaded tensors, without the padded
-                    # copy and the scatter's second one (each as large as the state).
-                    received = {key: bucket_state[key].to(torch.float32) for key in keys}
-                else:
-                    received = {
-                        key: self._scatter_shard(
-                            bucket_state[key] if is_root else None, padded, group, device
-                        )
-                        for key in keys
-                    }
+                received = {
+                    key: self._scatter_shard(
+                        bucket_state[key] if is_root else None, padded, group, device
+                    )
+                    for key in keys
+                }
                 for model_param, ranges in bucket_map["param_map"].items():
                     local = ranges["gbuf_local"]
                     self._set_main_param_and_optimizer_states(
@@ -670,6 +664,10 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
     def _scatter_shard(bucket_state, padded_numel: int, group, device) -> torch.Tensor:
         """Rank 0 sends each rank its shard of one bucket's world tensor; returns this rank's."""
         world_size = group.size()
+        if world_size == 1:
+            # The only shard is the loaded bucket itself: its pieces are written straight from
+            # it, without a padded copy and the scatter's second one (each as large as it).
+            return bucket_state.to(torch.float32)
         shard = torch.empty(padded_numel // world_size, dtype=torch.float32, device=device)
         shards = None
         if bucket_state is not None:
