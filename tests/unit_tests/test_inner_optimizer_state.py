@@ -520,10 +520,17 @@ def test_precision_aware_state_is_allocated_as_the_first_step_would_make_it(opti
     assert "step" not in optimizer.param_groups[0]
 
 
-def test_fp16_moments_from_a_callers_host_tensors_are_scaled_as_the_optimizer_scales():
+@pytest.mark.parametrize("chunk", [None, 5], ids=["one_pass", "chunk_of_5"])
+def test_fp16_moments_from_a_callers_host_tensors_are_scaled_as_the_optimizer_scales(
+    chunk, monkeypatch
+):
     """fp16 moments written from host fp32 tensors are scaled on the host: the same state and
     scales as the optimizer's ``set_scaled_state``, and the caller's tensors are not divided
-    in place (they may be a plain parameter-state dict the caller keeps)."""
+    in place (they may be a plain parameter-state dict the caller keeps). With a chunk of 5
+    elements every piece but the smallest goes through the staging buffer in several passes,
+    the last one short."""
+    if chunk is not None:
+        monkeypatch.setattr(_contract, "HOST_SCALE_CHUNK", chunk)
     generator = torch.Generator().manual_seed(4)
     params = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in SHAPES]
     options = dict(master_weights=True, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)

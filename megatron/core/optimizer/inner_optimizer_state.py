@@ -187,6 +187,8 @@ def _null_step_batches(params_per_group: List[List[torch.Tensor]]):
 # Live state dtypes that TE FusedAdam stores an unscaled fp32 value into by a plain cast: a
 # checkpoint read can land in them directly.
 _CAST_ON_STORE = (torch.float32, torch.bfloat16, torch.int16)
+# Elements per host scaling pass: an fp16 staging buffer of 8 MiB, reused for every piece.
+HOST_SCALE_CHUNK = 1 << 22
 
 
 def _is_same_tensor(incoming: Any, live: Any) -> bool:
@@ -487,7 +489,8 @@ class ScaledFusedAdamState(InnerOptimizerState):
         remainders), a host fp32 tensor where it computes a scale first (fp16 or fp8 state).
 
         The host tensors keep what a scale needs off the accelerator: they cost host memory
-        (4 bytes per element and key) until :meth:`write` scales them into the live state.
+        (4 bytes per element and key) until :meth:`write` scales them into the live state,
+        through a staging buffer of :data:`HOST_SCALE_CHUNK` fp16 elements.
         """
         state = self.optimizer.state[param]
         targets = {}
@@ -526,12 +529,17 @@ class ScaledFusedAdamState(InnerOptimizerState):
 
     def _scale_on_host(self, param: torch.Tensor, key: str, unscaled: torch.Tensor) -> bool:
         """Store host fp32 values into an fp16 state the way ``set_scaled_state`` does (the
-        absmax over the dtype's range as the scale, the values divided by it, then cast),
-        computing on the host: ``set_scaled_state`` would first copy the whole piece to the
-        accelerator in fp32. The arithmetic is IEEE fp32 either side, so the result is the
-        same bits. Returns False, doing nothing, where the optimizer does not keep what that
-        takes (then ``set_scaled_state`` stores it). ``unscaled`` is left as it is: it may be
-        a caller's tensor (a plain parameter-state dict).
+        absmax over the dtype's range as the scale, the values multiplied by its reciprocal,
+        then cast), computing on the host: ``set_scaled_state`` would first copy the whole
+        piece to the accelerator in fp32. The arithmetic is IEEE fp32 either side, rounded
+        once to fp16, so the result is the same bits. Returns False, doing nothing, where the
+        optimizer does not keep what that takes (then ``set_scaled_state`` stores it).
+        ``unscaled`` is left as it is: it may be a caller's tensor (a plain parameter-state
+        dict).
+
+        The scaled values go out :data:`HOST_SCALE_CHUNK` elements at a time through one fp16
+        staging buffer: a pass that multiplies and casts at once, and no host temporaries the
+        size of the piece (each would be a full pass more, over freshly faulted pages).
         """
         live = self.optimizer.state[param].get(key)
         ranges = getattr(self.optimizer, "dtype_to_range_map", None)
@@ -540,6 +548,8 @@ class ScaledFusedAdamState(InnerOptimizerState):
             unscaled.is_cuda
             or type(live) is not torch.Tensor  # pylint: disable=unidiomatic-typecheck
             or live.dtype != torch.float16
+            or not live.is_contiguous()
+            or live.numel() != unscaled.numel()
             or not isinstance(ranges, dict)
             or not isinstance(ranges.get(torch.float16), torch.Tensor)
             or not isinstance(scale, torch.Tensor)
@@ -549,7 +559,14 @@ class ScaledFusedAdamState(InnerOptimizerState):
         low, high = torch.aminmax(unscaled)
         host_scale = torch.maximum(-low, high).to(torch.float32).reshape(1) / max_range
         inverse = torch.where(host_scale > 0, host_scale.reciprocal(), 0.0)
-        live.copy_(unscaled * inverse)
+        source, target = unscaled.reshape(-1), live.view(-1)
+        staging = torch.empty(min(HOST_SCALE_CHUNK, source.numel()), dtype=torch.float16)
+        for start in range(0, source.numel(), HOST_SCALE_CHUNK):
+            piece = source[start : start + HOST_SCALE_CHUNK]
+            scaled = staging[: piece.numel()]
+            torch.mul(piece, inverse, out=scaled)
+            # From pageable memory the copy returns once the data left the buffer.
+            target[start : start + piece.numel()].copy_(scaled)
         scale.copy_(host_scale.reshape(scale.shape))
         return True
 
