@@ -146,14 +146,15 @@ def progress_line(row, side, repeat, result):
     head = f"  run {repeat + 1} {side:8} {row}:"
     if result.get("skipped"):
         return f"{head} skipped"
-    if result.get("error"):
-        return f"{head} error: {result['error'][:200]}"
+    error = f"error: {result['error'][:200]}" if result.get("error") else None
+    if result.get("load_seconds") is None:
+        return f"{head} {error or 'no load time'}"
     item = figures(result)
     peaks = "/".join(_cell(item[f"{phase}_peak"]) for phase in PHASES)
     return (
         f"{head} load {_cell(item['load_s'], 3)} s (phases {_phase_times(item)} s), "
         f"peaks {peaks} sets, "
-        f"exact {'yes' if result.get('exact') else 'NO'}"
+        + (f"then {error}" if error else f"exact {'yes' if result.get('exact') else 'NO'}")
     )
 
 
@@ -192,16 +193,17 @@ def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1, 
 def summarise(results):
     """One row and implementation over its runs: the memory figures of the first run that
     loaded, exact only if every run was, every failed run's error, and the median load time
-    of the runs that loaded (``load_s_all`` lists them)."""
+    of the runs that loaded (``load_s_all`` lists them). A run loaded when its load finished:
+    one whose resumed steps failed after it still has a load time, and its error."""
     if results[0].get("skipped"):
         return {"skipped": results[0]["skipped"], "raw": results[0]}
-    loaded = [result for result in results if not result.get("error")]
+    loaded = [result for result in results if result.get("load_seconds") is not None]
     item = figures((loaded or results)[0])
     item["raw"] = (loaded or results)[0]
     item["exact"] = all(result.get("exact") and not result.get("error") for result in results)
     errors = [f"run {n + 1}: {r['error']}" for n, r in enumerate(results) if r.get("error")]
     item["error"] = "; ".join(errors) if errors else None
-    item["load_s_all"] = [r["load_seconds"] for r in loaded if r.get("load_seconds") is not None]
+    item["load_s_all"] = [r["load_seconds"] for r in loaded]
     item["load_s"] = statistics.median(item["load_s_all"]) if item["load_s_all"] else None
     for phase in PHASES:
         times = [
