@@ -30,6 +30,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedObject,
     ShardedTensorFactory,
 )
+from megatron.core.dist_checkpointing.validation import _validate_sharding_for_key
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import distrib_optimizer_upstream
@@ -343,14 +344,16 @@ def merge_nothing(*args):  # pylint: disable=missing-function-docstring
     del args
 
 
-def model_sharded_state_dict(host, factory_index=3, tp_index=0, all_factories=False):
+def model_sharded_state_dict(host, factory_index=3, tp_index=0, all_factories=False, rank=None):
     """The model's sharded entries: one tensor-parallel sharded, one factory, rest plain.
 
     ``all_factories`` makes every entry a factory: megatron-core 0.19.2 refuses a
     ShardedTensor with a ``flattened_range``, so ``fully_sharded_model_space`` only works
-    with factories there.
+    with factories there. ``rank`` is the data-parallel part of the replica ids (default: the
+    host's rank; the whole data-parallel group's rank where there are several optimizer
+    instances).
     """
-    rank = host.data_parallel_group.rank()
+    rank = host.data_parallel_group.rank() if rank is None else rank
     entries = {}
     for index, param in enumerate(host.params):
         key = f"decoder.w{index}"
@@ -670,7 +673,19 @@ def test_fully_reshardable_single_bucket_matches_upstream(world_size, rank, is_l
     theirs = upstream.sharded_param_state_fully_reshardable(
         model_sharded_state_dict(upstream), is_loading, {}
     )
-    assert canonical(mine) == canonical(theirs)
+    if is_loading:
+        # The fork asks only for what the rank owns a piece of, with upstream's numbering and
+        # metadata but its own replica ids (main where the rank's piece starts the parameter;
+        # the targets are checked in test_fully_reshardable_reads_owned_params_...).
+        assert set(mine) == owned_reshardable_indices(fork) and set(mine) <= set(theirs)
+        params = [p for buf in fork.buffers for p in buf.param_index_map]
+        for index, entries in mine.items():
+            main = owned_param_range(fork, params[index]).start == 0
+            for key, entry in entries.items():
+                assert entry.replica_id == (0, 0, 0 if main else 1), (index, key)
+                entry.replica_id = theirs[index][key].replica_id
+        theirs = {index: theirs[index] for index in mine}
+    assert canonical(mine, with_data=not is_loading) == canonical(theirs, with_data=not is_loading)
     # Saving all-gathers; loading gathers nothing (upstream asks for an empty gather).
     assert fork.gathers == ([] if is_loading else [(False, False, True)])
 
@@ -724,7 +739,7 @@ def test_fully_reshardable_mem_efficient_saves_on_rank_zero_only(world_size):
         loading = host.sharded_param_state_fully_reshardable(
             model_sharded_state_dict(host), True, metadata
         )
-        assert len(loading) == len(SHAPES)
+        assert set(loading) == owned_reshardable_indices(host)
 
 
 @pytest.mark.parametrize("world_size,rank", RANKS)
@@ -841,6 +856,133 @@ def test_fully_reshardable_round_trip_across_data_parallel_sizes(plan, save_size
         assert loader.inner_state.step() == 2
 
 
+@pytest.mark.parametrize("world_size,rank", [(1, 0), (2, 1), (3, 2)])
+@pytest.mark.parametrize(
+    "moment_dtype", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"]
+)
+def test_fully_reshardable_reads_owned_params_in_place_or_on_the_host(
+    world_size, rank, moment_dtype
+):
+    """The request names only the parameters the rank owns a piece of. One it owns whole, under
+    a plain model entry, is read into the live state wherever a plain cast stores the
+    checkpoint's fp32 value (fp32 master and moments, bf16 moments) and into the host tensors
+    the write scales from for fp16 moments; a piece, or a factory's entry, is read whole into
+    a zero-filled host fp32 tensor. Loading that gives what the optimizer's own
+    set_scaled_state (or a plain copy) makes of the saved values, bit for bit."""
+    options = {} if moment_dtype is None else {"precision_aware": moment_dtype}
+    saver = build(MULTI_BUCKET, world_size, rank, seed=1, **options)
+    saved = saver.sharded_param_state_fully_reshardable(model_sharded_state_dict(saver), False, {})
+    shared = dict(model=saver.model_chunks[0], buffers=saver.buffers, **options)
+    loader = build(MULTI_BUCKET, world_size, rank, seed=2, **shared)
+    expected = build(MULTI_BUCKET, world_size, rank, seed=2, **shared)
+    if moment_dtype is not None:
+        del expected.optimizer.dtype_to_range_map  # every value through set_scaled_state
+    owned = dict(loader._owned_param_ranges())
+    for param, ranges in owned.items():
+        piece = ranges["param"]
+        truth = {
+            key: saver.truth[key][position(saver.params, param)].reshape(-1)[
+                piece.start : piece.end
+            ]
+            for key in TRUTH_KEYS
+        }
+        expected._set_main_param_and_optimizer_states(
+            param, {k: v.clone() for k, v in truth.items()}
+        )
+
+    request = loader.sharded_param_state_fully_reshardable(
+        model_sharded_state_dict(loader), True, {}
+    )
+    assert set(request) == owned_reshardable_indices(loader)
+    live = {shard.data_ptr() for shard, _, _ in loader.shard_of.values()}
+    live.update(t.data_ptr() for entry in loader.optimizer.state.values() for t in entry.values())
+    index = -1
+    for buf in loader.buffers:
+        for param in buf.param_index_map:
+            index += 1
+            if param not in owned:
+                continue
+            whole = owned[param]["param"].size == param.numel()
+            plain = position(loader.params, param) != 3  # model_sharded_state_dict's factory
+            for key in TRUTH_KEYS:
+                target = request[index][key].data
+                assert target.shape == param.shape
+                if not (whole and plain):
+                    assert target.data_ptr() not in live and not torch.any(target), (index, key)
+                elif moment_dtype == torch.float16 and key in STATE_KEYS:
+                    assert target.data_ptr() not in live, (index, key)  # scaled by the write
+                else:
+                    assert target.data_ptr() in live, (index, key)
+                    continue
+                assert target.dtype == torch.float32 and not target.is_cuda
+
+    loader.load_parameter_state_from_fully_reshardable(simulate_load(saved, request))
+    for param in owned:
+        shard, reference = loader.shard_of[param][0], expected.shard_of[param][0]
+        for key, value in loader.optimizer.state[shard].items():
+            assert torch.equal(value, expected.optimizer.state[reference][key]), key
+        assert torch.equal(shard, reference)
+        for key, scale in getattr(loader.optimizer, "_scales", {}).get(shard, {}).items():
+            assert torch.equal(scale, expected.optimizer._scales[reference][key]), key
+
+
+def load_requests_by_key(hosts, method, **model_options):
+    """``(rank, entry)`` pairs of every host's load request, by checkpoint key; a host's
+    place in ``hosts`` is its rank."""
+    by_key = {}
+    for rank, host in enumerate(hosts):
+        model = model_sharded_state_dict(host, rank=rank, **model_options)
+        request = getattr(host, method)(model, True, {})
+        for entry in sharded_entries(request):
+            by_key.setdefault(entry.key, []).append((rank, entry))
+    return by_key
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("plan", [SINGLE_BUCKET, MULTI_BUCKET], ids=["single", "multi"])
+@pytest.mark.parametrize("instances", [1, 2])
+@pytest.mark.parametrize("host_class", [ForkHost, UpstreamHost], ids=["fork", "upstream"])
+def test_fully_reshardable_load_requests_pass_the_access_check(
+    world_size, plan, instances, host_class
+):
+    """Dist-checkpointing's load checks that the main replicas of all ranks' requests cover
+    every tensor exactly once (``validate_access_integrity``, on by default). Upstream's
+    ranks all ask for everything; the fork's ask only for what they own, and with several
+    data-parallel ranks (and optimizer instances) every parameter still has exactly one main
+    replica."""
+    hosts = []
+    for instance_id in range(instances):
+        hosts += all_hosts(plan, world_size, host_class=host_class, instance_id=instance_id)
+    by_key = load_requests_by_key(
+        hosts, "sharded_param_state_fully_reshardable", factory_index=None, tp_index=None
+    )
+    assert len(by_key) == len(SHAPES) * len(TRUTH_KEYS)
+    for key, rank_sharding in by_key.items():
+        assert not _validate_sharding_for_key(rank_sharding), key
+
+
+def test_fully_reshardable_load_reads_int16_remainders_on_the_host():
+    """Remainders arrive as fp32 and are checked before they are converted: the read goes into
+    a host fp32 tensor, never into the live int16 tensor."""
+    host = build(SINGLE_BUCKET, 1, 0)
+    live = host._main_param_and_optimizer_load_targets
+
+    def with_remainders(model_param):
+        targets = live(model_param)
+        targets["param"] = torch.zeros(targets["param"].shape, dtype=torch.int16)
+        return targets
+
+    host._main_param_and_optimizer_load_targets = with_remainders
+    request = host.sharded_param_state_fully_reshardable(model_sharded_state_dict(host), True, {})
+    states = {t.data_ptr() for entry in host.optimizer.state.values() for t in entry.values()}
+    for entries in request.values():
+        assert entries["param"].data.dtype == torch.float32
+        for key in STATE_KEYS:
+            assert entries[key].data.dtype == torch.float32
+    plain = [e for i, e in request.items() if i != 3]  # index 3 is the model's factory entry
+    assert all(e[k].data.data_ptr() in states for e in plain for k in STATE_KEYS)
+
+
 @pytest.mark.parametrize("world_size,rank", RANKS)
 def test_fully_reshardable_load_agrees_with_upstreams_loader(world_size, rank):
     saver = build(SINGLE_BUCKET, world_size, rank, seed=1)
@@ -886,11 +1028,11 @@ def test_fs_model_space_round_trip_loads_in_place(world_size, rank, expose_step)
 
 
 def loaded_fully_reshardable(host):
-    """A loaded fully_reshardable param state for ``host`` (from another host's save)."""
+    """A loaded fully_reshardable param state for ``host`` (from another host's save), every
+    parameter's entry as upstream's request reads it (copies, not live)."""
     saver = build(SINGLE_BUCKET, 1, 0, seed=1, model=host.model_chunks[0])
     saved = saver.sharded_param_state_fully_reshardable(model_sharded_state_dict(saver), False, {})
-    request = host.sharded_param_state_fully_reshardable(model_sharded_state_dict(host), True, {})
-    return simulate_load(saved, request)
+    return {i: {k: v.data.clone() for k, v in e.items()} for i, e in saved.items()}
 
 
 def loaded_fs_model_space(host):

@@ -12,8 +12,9 @@ by ``metadata["distrib_optim_sharding_type"]``:
     load lands in them directly.
 ``fully_reshardable``
     the state is gathered over data-parallel ranks and cut into whole tensors shaped like the
-    model parameters (``optimizer.state.<key>.<model key>``); a load reads whole tensors into
-    scratch tensors and keeps the locally owned slices.
+    model parameters (``optimizer.state.<key>.<model key>``); a load asks only for the
+    parameters a rank owns a piece of, reads those it owns whole into the live state and the
+    others into host tensors, of which it keeps the owned slices.
 ``dp_reshardable``
     one checkpoint tensor per bucket and state key, the pieces of which are this rank's
     parameter slices plus padding; only the data-parallel size may change between save and load.
@@ -24,7 +25,8 @@ by ``metadata["distrib_optim_sharding_type"]``:
 
 Compared with 0.19.2, ``fully_reshardable`` locates each parameter correctly in the gathered
 tensors when a buffer has several buckets (0.19.2 ignored the padding stripped at the end of
-every bucket and saved shifted or zero-filled state), optimizer state is created through
+every bucket and saved shifted or zero-filled state), its load stages no whole copy of the
+model's state on every rank's host, optimizer state is created through
 ``self.inner_state.materialise()`` instead of a training step, and the loaders check the whole
 checkpointed state before writing any of it.
 
@@ -106,6 +108,14 @@ def _state_entry(model_entry, state_key: str, data: torch.Tensor, **changes):
     entry = replace(model_entry, **changes)
     entry.validate_metadata_integrity()
     return entry
+
+
+def _model_replica_parts(model_entry) -> Tuple[int, int]:
+    """The pipeline and tensor-parallel parts of a model entry's ``(PP, TP, DP)`` replica id,
+    which an optimizer state entry keeps; the data-parallel part is the optimizer's to set."""
+    if len(model_entry.replica_id) != 3:
+        raise AssertionError(f'Expected replica_id format (PP, TP, DP), got: {model_entry}')
+    return tuple(model_entry.replica_id[:2])
 
 
 def _coalesced_bucket_starts(buffer) -> List[int]:
@@ -522,12 +532,14 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
 
         Every parameter of every buffer gets ``"param"`` (fp32 master) and one tensor per
         optimizer state key, each shaped like the model parameter and keyed
-        ``optimizer.state.<key>.<model key>`` with the model's placement and replica id.
+        ``optimizer.state.<key>.<model key>`` with the model's placement and, when saving, its
+        replica id (a load request's comes from :meth:`_fully_reshardable_load_replica_id`).
 
         Saving gathers the buffers' state (``get_parameter_state_dp_zero``) and slices it. Each
         parameter is found in the gathered tensors relative to its bucket, which starts where
-        the unpadded sizes of the buckets before it add up to. Loading gathers nothing: every
-        rank asks for whole tensors, loaded into zero-filled CPU tensors, and
+        the unpadded sizes of the buckets before it add up to. Loading gathers nothing: each
+        rank asks only for the parameters it owns a piece of (entries keep their numbering),
+        into the tensors :meth:`_fully_reshardable_load_targets` picks, and
         :meth:`load_parameter_state_from_fully_reshardable` keeps its own slices.
 
         Args:
@@ -548,6 +560,7 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         if is_loading:
             gathered = None
             state_keys = ('param',) + tuple(self.optimizer_state_keys)
+            owned = dict(self._owned_param_ranges())
         else:
             mem_efficient = bool(metadata.get(MEM_EFFICIENT_FLAG, False))
             gathered = self.get_parameter_state_dp_zero(
@@ -557,6 +570,7 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
                 return None
 
         state = {}
+        index = -1
         for gbuf_idx, gbuf_range_map in enumerate(self.gbuf_ranges):
             dtype = _single_dtype(gbuf_range_map)
             buffer = self.buffers[gbuf_idx]
@@ -565,12 +579,17 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
                 state_keys = tuple(k for k in world_tensors if k not in _NOT_ELEMENTWISE)
                 bucket_starts = _coalesced_bucket_starts(buffer)
             for model_param, (start, end, bucket_id) in buffer.param_index_map.items():
+                index += 1
                 model_entry = _model_metadata(by_param, model_param)
                 if model_entry.flattened_range is not None:
                     raise AssertionError(f"Flattened model tensor not supported ({model_entry})")
                 shape = model_entry.data.shape
                 if gathered is None:
-                    values = {k: torch.zeros(shape, dtype=torch.float32) for k in state_keys}
+                    if model_param not in owned:
+                        continue
+                    values = self._fully_reshardable_load_targets(
+                        model_param, owned[model_param]["param"], model_entry, state_keys
+                    )
                 else:
                     bucket = buffer.buckets[bucket_id]
                     first = bucket_starts[bucket_id] + start - bucket.offset
@@ -583,10 +602,74 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
                                 f"of the gathered '{key}' state, which has only {world.numel()}"
                             )
                         values[key] = world[first : first + end - start].reshape(shape)
-                state[len(state)] = {
-                    key: _state_entry(model_entry, key, value) for key, value in values.items()
+                changes = {}
+                if gathered is None:
+                    changes['replica_id'] = self._fully_reshardable_load_replica_id(
+                        model_entry, owned[model_param]["param"]
+                    )
+                state[index] = {
+                    key: _state_entry(model_entry, key, value, **changes)
+                    for key, value in values.items()
                 }
         return state
+
+    def _fully_reshardable_load_replica_id(self, model_entry, piece) -> Tuple[int, int, int]:
+        """The replica id of a ``fully_reshardable`` load request for one owned parameter.
+
+        Only the ranks owning a piece of a parameter ask for it, so data-parallel rank 0 (the
+        main replica of the model's entry) may not be among them. Dist-checkpointing's access
+        check wants one main replica for every part of every tensor: it is the rank whose
+        piece starts the parameter, in the first distributed optimizer instance. The model's
+        pipeline and tensor-parallel parts are kept, so tensor-parallel replicas stay apart.
+
+        Args:
+            model_entry: the model's checkpoint entry of the parameter.
+            piece: the range of the parameter that this rank owns.
+
+        Returns:
+            tuple: ``(model's first part, model's second part, 0 or 1)``, 0 on the main replica.
+        """
+        main = piece.start == 0 and self.distributed_optimizer_instance_id == 0
+        return (*_model_replica_parts(model_entry), 0 if main else 1)
+
+    def _fully_reshardable_load_targets(self, model_param, piece, model_entry, state_keys):
+        """The tensors a ``fully_reshardable`` read fills for one owned parameter.
+
+        The checkpoint holds each parameter whole, in fp32. Where this rank owns all of it and
+        the model's entry is a plain tensor, each key's target is the tensor a plain cast
+        stores the value into (:meth:`_main_param_and_optimizer_load_targets`: the live fp32
+        or bf16 state, or the host tensor a scale is computed from), viewed in the model's
+        shape, so that nothing is staged. Elsewhere (a piece of a parameter, a factory's
+        entry, int16 remainders, which the load checks before it converts them) the target is
+        a zero-filled host fp32 tensor of the whole parameter, of which the load keeps the
+        owned slice.
+
+        Args:
+            model_param: a parameter this rank owns a piece of.
+            piece: the owned piece's range in the parameter.
+            model_entry: the model's checkpoint entry of the parameter.
+            state_keys: ``"param"`` and the optimizer state keys.
+
+        Returns:
+            dict: one tensor of the model parameter's shape per key of ``state_keys``.
+        """
+        shape = model_entry.data.shape
+        live = {}
+        if piece.size == shape.numel() and isinstance(model_entry, ShardedTensor):
+            live = self._main_param_and_optimizer_load_targets(model_param)
+        targets = {}
+        for key in state_keys:
+            target = live.get(key)
+            if (
+                isinstance(target, torch.Tensor)
+                and target.dtype in (torch.float32, torch.bfloat16)
+                and target.is_contiguous()
+                and target.numel() == shape.numel()
+            ):
+                targets[key] = target.view(shape)
+            else:
+                targets[key] = torch.zeros(shape, dtype=torch.float32)
+        return targets
 
     def _fully_reshardable_load_plan(self, state_dict: Any):
         """Check a loaded ``fully_reshardable`` state and pick the locally owned slices.
@@ -795,9 +878,10 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             tensors = tensors_of(model_param)
             tensors['fp32_param'] = tensors.pop('param')
             model_entry = _model_metadata(by_param, model_param)
-            if len(model_entry.replica_id) != 3:
-                raise AssertionError(f'Expected replica_id format (PP, TP, DP), got: {model_entry}')
-            replica_id = (*model_entry.replica_id[:2], self.distributed_optimizer_instance_id)
+            replica_id = (
+                *_model_replica_parts(model_entry),
+                self.distributed_optimizer_instance_id,
+            )
             piece = param_range_map['param']
             for key, value in tensors.items():
                 if key == 'step':
