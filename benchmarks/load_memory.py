@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -161,32 +162,36 @@ def progress_line(row, side, repeat, result):
 def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1, out=None):
     """Measure ``rows`` for both implementations; returns ``{row: {side: figures}}``.
 
-    With ``repeats`` above 1 each implementation trains, saves and loads again, the order of
-    the two alternating, so that a slower machine phase does not fall on one side only (see
-    :func:`summarise` for how the runs are folded into one row). With ``out`` a stream, each
-    job's :func:`progress_line` is written to it as the job ends.
+    With ``repeats`` above 1 each implementation loads again, the order of the two
+    alternating, so that a slower machine phase does not fall on one side only (see
+    :func:`summarise` for how the runs are folded into one row). Each implementation trains
+    and saves once; its later runs load the same checkpoint again in a fresh load job. With
+    ``out`` a stream, each job's :func:`progress_line` is written to it as the job ends.
     """
     cases = [distopt_resume.Case.parse(ROWS[row]) for row in rows]
     runs = {row: {side: [] for side in IMPLEMENTATIONS} for row in rows}
-    for repeat in range(repeats):
-        order = IMPLEMENTATIONS if repeat % 2 == 0 else IMPLEMENTATIONS[::-1]
-        for side in order:
-            logs = log_dir and str(Path(log_dir) / f"logs_{side}_{repeat}")
-            results = distopt_resume.drive(
-                cases,
-                [(side, side)],
-                nproc,
-                steps_before,
-                steps_after,
-                side_by_side=False,
-                shape=shape,
-                log_dir=logs,
-            )
-            for row, case in zip(rows, cases):
-                result = results.get(case.key(nproc, side, side), {"error": "no result"})
-                runs[row][side].append(result)
-                if out is not None:
-                    print(progress_line(row, side, repeat, result), file=out, flush=True)
+    with tempfile.TemporaryDirectory(prefix="load_memory_") as workdir:
+        for repeat in range(repeats):
+            order = IMPLEMENTATIONS if repeat % 2 == 0 else IMPLEMENTATIONS[::-1]
+            for side in order:
+                logs = log_dir and str(Path(log_dir) / f"logs_{side}_{repeat}")
+                results = distopt_resume.drive(
+                    cases,
+                    [(side, side)],
+                    nproc,
+                    steps_before,
+                    steps_after,
+                    workdir=str(Path(workdir) / side),
+                    side_by_side=False,
+                    shape=shape,
+                    log_dir=logs,
+                    reuse_saves=True,
+                )
+                for row, case in zip(rows, cases):
+                    result = results.get(case.key(nproc, side, side), {"error": "no result"})
+                    runs[row][side].append(result)
+                    if out is not None:
+                        print(progress_line(row, side, repeat, result), file=out, flush=True)
     return {row: {side: summarise(runs[row][side]) for side in IMPLEMENTATIONS} for row in rows}
 
 
@@ -241,7 +246,8 @@ def build_parser():
         "--repeats",
         type=int,
         default=1,
-        help="runs per implementation, alternating which goes first; load time is the median",
+        help="load jobs per implementation (each saves once), alternating which goes first; "
+        "load time is the median",
     )
     parser.add_argument("--out", help="write the figures (and each raw result) as JSON here")
     parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")

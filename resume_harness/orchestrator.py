@@ -19,6 +19,9 @@ import torch
 from .cases import Shape, te_unavailable
 from .results import MANIFEST, current_file, merge_rank_files, rank_file, write_json
 
+SAVE_DONE = "SAVE_DONE"
+"""Left in a saving implementation's folder when its save job exited cleanly."""
+
 # The folder that holds this package, put on the jobs' PYTHONPATH so that they find it.
 PACKAGE_PARENT = Path(__file__).resolve().parents[1]
 # Each rank runs this package as ``python -m resume_harness``.
@@ -174,7 +177,9 @@ def drive(
     Settings: ``shape`` (:class:`Shape` of the probe, default the small one),
     ``collective_timeout`` (seconds a rank waits in a collective; a rank left behind by
     another's error costs that long), ``log_dir`` (where the jobs' logs are copied at the end;
-    the checkpoints stay in ``workdir``).
+    the checkpoints stay in ``workdir``), ``reuse_saves`` (a saving implementation whose save
+    job in ``workdir`` ended cleanly before, leaving ``SAVE_DONE`` in its folder, is not run
+    again: its checkpoints are read again, so a repeated load costs a load job only).
 
     Returns:
         dict: ``Case.key(nproc, save_with, load_with)`` -> merged result; a job that failed
@@ -200,8 +205,11 @@ def drive(
     save_failures = {}
     try:
         savers = sorted({save for save, _ in pairs})
+        if settings.get("reuse_saves"):
+            savers = [s for s in savers if not (workdir / f"saved_by_{s}" / SAVE_DONE).exists()]
         save_jobs = []
         for save in savers:
+            (workdir / f"saved_by_{save}" / SAVE_DONE).unlink(missing_ok=True)
             extra = ["--ckpt-dir", str(workdir / f"saved_by_{save}"), "--cases", *names]
             extra += ["--steps-before", str(steps_before), "--steps-after", str(steps_after)]
             extra += ["--hidden", str(shape.hidden), "--ffn", str(shape.ffn), *common]
@@ -209,6 +217,8 @@ def drive(
         for job, code in zip(save_jobs, _run_side_by_side(save_jobs, nproc, timeout, side_by_side)):
             if code != 0:
                 save_failures[job[1]] = f"save job exited {code}: {_log_tail(job[3])}"
+            else:
+                (workdir / f"saved_by_{job[1]}" / SAVE_DONE).touch()
 
         loaders = sorted({load for _, load in pairs})
         sources = {load: [saver for saver, loader in pairs if loader == load] for load in loaders}

@@ -235,6 +235,46 @@ def test_drive_runs_save_then_load_jobs_and_collects_every_case(monkeypatch, tmp
     ]
 
 
+def test_drive_reuses_a_clean_save_and_redoes_a_failed_one(monkeypatch, tmp_path):
+    """With ``reuse_saves`` a saving implementation whose save job ended cleanly in the same
+    folder is not run again (its checkpoints are read again); one whose save job failed is."""
+    cases = [tool.Case.parse("bf16-off0-legacy")]
+    starts, save_codes = [], {"fork": 0, "upstream": 1}
+
+    def launch(role, implementation, nproc, extra, log, timeout, devices=None):
+        starts.append((role, implementation))
+        Path(log).write_text("")
+        if role == "save":
+            root = Path(extra[extra.index("--ckpt-dir") + 1])
+            root.mkdir(parents=True, exist_ok=True)
+            manifest = {"save_with": implementation, "world": nproc, "module_file": "m"}
+            manifest.update(steps_after=1, cases=[vars(case) for case in cases])
+            (root / tool.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+            return save_codes[implementation]
+        out = extra[extra.index("--out") + 1]
+        keys = [case.key(nproc, s, implementation) for case in cases for s in ("fork", "upstream")]
+        result = {"error": None, "params_exact": True, "state_exact": True}
+        results_files.rank_file(out, 0).write_text(json.dumps({key: result for key in keys}))
+        return 0
+
+    monkeypatch.setattr(orchestrator, "_launch", launch)
+    monkeypatch.setattr(orchestrator, "te_unavailable", lambda case: None)
+    pairs = [("fork", "fork"), ("upstream", "fork")]
+    for _ in range(2):
+        results = tool.drive(
+            cases, pairs, nproc=1, workdir=str(tmp_path), side_by_side=False, reuse_saves=True
+        )
+        assert results[cases[0].key(1, "fork", "fork")]["exact"]
+        assert "save job exited 1" in results[cases[0].key(1, "upstream", "fork")]["error"]
+    assert starts == [
+        ("save", "fork"),
+        ("save", "upstream"),
+        ("load", "fork"),
+        ("save", "upstream"),
+        ("load", "fork"),
+    ]
+
+
 def test_probe_shape_keeps_several_buckets():
     """The small probe keeps the bucket size the matrix was written for; a wide one (the main
     job's) still gets several buckets, not thousands."""
@@ -332,9 +372,15 @@ def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypat
     benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_repeats")
     order = []
 
-    def drive(cases, pairs, *_, **__):
+    workdirs = {}
+
+    def drive(cases, pairs, *_, **settings):
         side = pairs[0][0]
         order.append(side)
+        # Each implementation keeps one folder over its runs, and saves in the first only.
+        assert settings["reuse_saves"] and settings["workdir"] == workdirs.setdefault(
+            side, settings["workdir"]
+        )
         state = {"gpu_moments": 2**20, "gpu_all": 2**20 * len(order)}
         result = {"optimizer_state_bytes": state, "load_seconds": float(len(order))}
         result["load_phase_seconds"] = {"read": len(order) / 2}
@@ -350,6 +396,7 @@ def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypat
     stream = io.StringIO()
     table = benchmark.run([row], None, 1, 2, 2, repeats=3, out=stream)
     assert order == ["upstream", "fork", "fork", "upstream", "upstream", "fork"]
+    assert len(set(workdirs.values())) == 2
     # Each job's line is written as it ends, in the order the jobs ran.
     lines = stream.getvalue().splitlines()
     assert [line.split()[1:3] for line in lines] == [
