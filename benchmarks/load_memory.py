@@ -28,6 +28,7 @@ Needs CUDA and Transformer Engine (rows needing TE are reported as skipped witho
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -251,7 +252,25 @@ def build_parser():
     )
     parser.add_argument("--out", help="write the figures (and each raw result) as JSON here")
     parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each load phase under torch.profiler and cProfile and print, per row and "
+        "implementation, what the phases spent their time on (from the first run that loaded); "
+        "the times measured then include the profilers' overhead",
+    )
     return parser
+
+
+def report_profiles(table, out=sys.stdout):
+    """Print the profile tables of each row, implementation and phase (``--profile``)."""
+    for row, by_side in table.items():
+        for side, item in by_side.items():
+            profiles = item.get("raw", {}).get("load_phase_profiles") or {}
+            for phase, tables in profiles.items():
+                print(f"\n=== profile {row} {side} {phase}", file=out)
+                print(tables["ops"], file=out)
+                print(tables["python"], file=out)
 
 
 def main(argv=None):
@@ -260,6 +279,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("load_memory: needs a CUDA device (DDP buffers and GPU memory); nothing measured")
         return 2
+    if args.profile:
+        # Read by every load job (they inherit this environment) when it measures the phases.
+        os.environ[distopt_resume.PROFILE_ENV] = "1"
     shape = distopt_resume.Shape(args.hidden, args.ffn)
     print(
         f"model: {shape.numel / 1e6:.1f}M parameters (hidden {args.hidden}, ffn {args.ffn}), "
@@ -279,6 +301,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(json.dumps(table, indent=1, default=str), encoding="utf-8")
     report(table)
+    if args.profile:
+        report_profiles(table)
     ran = all(
         "raw" in by_side.get("fork", {}) and not by_side["fork"].get("error")
         for by_side in table.values()

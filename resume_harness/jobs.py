@@ -148,6 +148,8 @@ def load_one(case, folder, args, rank, manifest, result, built=None):
     result["load_phase_peak_gpu_extra_bytes"] = peaks.peaks
     result["load_phase_after_gpu_extra_bytes"] = peaks.after
     result["load_phase_seconds"] = peaks.seconds
+    if peaks.profile:
+        result["load_phase_profiles"] = peaks.profiles
     result["load_peak_gpu_extra_bytes"] = max(peaks.peaks.values())
     result["optimizer_state_bytes"] = optimizer_state_bytes(optimizer)
     gc.collect()

@@ -1,9 +1,18 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 """What a load costs: GPU memory per load phase, the optimizer state by place, and the path the
-fork's FusedAdam loader logs."""
+fork's FusedAdam loader logs.
+
+With ``RESUME_HARNESS_PROFILE_PHASES=1`` in the environment (``load_memory.py --profile`` sets
+it) each load phase also runs under ``torch.profiler`` and ``cProfile``, and the job's result
+holds their tables (``load_phase_profiles``); the phase times of such a job include the
+profilers' overhead."""
 
 import contextlib
+import cProfile
+import io
 import logging
+import os
+import pstats
 import time
 
 import torch
@@ -12,6 +21,8 @@ from . import table
 from .worker import distributed_optimizers
 
 PLAN_LOGGER = "megatron.core.optimizer.fused_adam_state_load"
+PROFILE_ENV = "RESUME_HARNESS_PROFILE_PHASES"
+PROFILE_ROWS = 15
 
 
 class PhasePeaks:
@@ -20,26 +31,66 @@ class PhasePeaks:
 
     The peak counter is reset as each phase begins, so the largest phase peak is the peak of
     the whole load.
+
+    Args:
+        profile: also profile each phase (:func:`profile_tables`, kept in ``profiles``);
+            None asks the environment (:data:`PROFILE_ENV`).
     """
 
-    def __init__(self):
+    def __init__(self, profile=None):
         torch.cuda.synchronize()
         self.start = torch.cuda.memory_allocated()
         self.peaks = {}
         self.after = {}
         self.seconds = {}
+        self.profile = os.environ.get(PROFILE_ENV) == "1" if profile is None else profile
+        self.profiles = {}
 
     @contextlib.contextmanager
     def phase(self, name):
         """Measure the block as phase ``name``."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        began = time.perf_counter()
-        yield
-        torch.cuda.synchronize()
-        self.seconds[name] = time.perf_counter() - began
+        with _profiled(self.profile) as profilers:
+            began = time.perf_counter()
+            yield
+            torch.cuda.synchronize()
+            self.seconds[name] = time.perf_counter() - began
         self.peaks[name] = torch.cuda.max_memory_allocated() - self.start
         self.after[name] = torch.cuda.memory_allocated() - self.start
+        if profilers:
+            self.profiles[name] = profile_tables(*profilers)
+
+
+@contextlib.contextmanager
+def _profiled(enabled):
+    """``(torch profiler, cProfile)`` running over the block, or ``()`` when not ``enabled``."""
+    if not enabled:
+        yield ()
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    python = cProfile.Profile()
+    with torch.profiler.profile(activities=activities) as ops:
+        python.enable()
+        try:
+            yield ops, python
+        finally:
+            python.disable()
+
+
+def profile_tables(ops, python, rows=PROFILE_ROWS):
+    """What a profiled phase spent its time on, as text: ``"ops"``, the torch operators and
+    CUDA runtime calls by their own host time (and by their own device time where CUDA was
+    profiled), and ``"python"``, the Python functions by their own time."""
+    averages = ops.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=rows)]
+    if torch.cuda.is_available():
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=rows))
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(rows)
+    return {"ops": "\n".join(tables), "python": text.getvalue()}
 
 
 def optimizer_state_bytes(optimizer):

@@ -342,6 +342,49 @@ def test_optimizer_state_bytes_counts_each_tensor_once_by_place():
     assert found == {"gpu_moments": 0, "gpu_all": 0, "host_moments": 32, "host_all": 48}
 
 
+def _multiply_for_the_profile(matrix):
+    return torch.mm(matrix, matrix)
+
+
+def test_a_profiled_phase_names_the_operators_and_functions_it_ran(monkeypatch):
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: None)
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, **kwargs: 0)
+    monkeypatch.setenv(tool.PROFILE_ENV, "1")
+    peaks = tool.PhasePeaks()
+    with peaks.phase("read"):
+        _multiply_for_the_profile(torch.ones(32, 32))
+    assert "aten::mm" in peaks.profiles["read"]["ops"]
+    assert "_multiply_for_the_profile" in peaks.profiles["read"]["python"]
+    assert peaks.seconds["read"] > 0 and peaks.peaks["read"] == 0
+
+    monkeypatch.delenv(tool.PROFILE_ENV)
+    quiet = tool.PhasePeaks()
+    with quiet.phase("read"):
+        _multiply_for_the_profile(torch.ones(32, 32))
+    assert not quiet.profile and quiet.profiles == {} and quiet.seconds["read"] > 0
+
+
+def test_load_memory_prints_the_profile_of_each_phase():
+    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_cpu")
+    assert benchmark.build_parser().parse_args(["--profile"]).profile
+    assert not benchmark.build_parser().parse_args([]).profile
+    profiles = {"read": {"ops": "aten::copy_ 12 ms", "python": "write 3 ms"}}
+    table = {
+        "bf16-dp_reshardable": {
+            "fork": {"raw": {"load_phase_profiles": profiles}},
+            "upstream": {"raw": {}},
+        }
+    }
+    out = io.StringIO()
+    benchmark.report_profiles(table, out)
+    printed = out.getvalue()
+    assert "=== profile bf16-dp_reshardable fork read" in printed
+    assert "aten::copy_ 12 ms" in printed and "write 3 ms" in printed
+    assert "upstream" not in printed
+
+
 def test_load_memory_reports_phases_in_state_sets():
     benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_cpu")
     mib = 2**20
