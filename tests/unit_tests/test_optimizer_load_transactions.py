@@ -169,6 +169,71 @@ def test_non_finite_state_loads_with_a_warning_when_told(monkeypatch, caplog):
         optimizer.load_state_dict(saved_hdo(torch.float32))
 
 
+def _scan_inputs():
+    """Tensors of every floating dtype a state holds, some with one bad element, and values
+    the scan must pass over (integers, empty tensors, extremes beyond fp32's range)."""
+    generator = torch.Generator().manual_seed(0)
+    tensors, bad = [], []
+    for index, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float64]):
+        for poison in (None, math.nan, math.inf, -math.inf):
+            tensor = torch.randn(300, generator=generator).to(DEVICE, dtype)
+            if poison is not None:
+                tensor[(index * 37) % 300] = poison
+                bad.append(len(tensors))
+            tensors.append(tensor)
+    tensors.append(torch.full((5,), 1e300, dtype=torch.float64, device=DEVICE))
+    tensors.append(torch.arange(6, device=DEVICE))
+    tensors.append(torch.empty(0, device=DEVICE))
+    return tensors, bad
+
+
+def test_the_non_finite_scan_finds_each_bad_tensor_among_mixed_dtypes():
+    tensors, bad = _scan_inputs()
+    assert checks.nonfinite_suspects(tensors) == bad
+    assert [checks.count_nonfinite(tensors[index]) for index in bad] == [1] * len(bad)
+    with pytest.raises(ValueError, match="non-finite") as raised:
+        checks.scan_nonfinite([("p", str(i), t) for i, t in enumerate(tensors)], "the test")
+    assert all(f"'{index}': 1" in str(raised.value) for index in bad[:5])
+    assert f"and {len(bad) - 5} more tensors" in str(raised.value)
+
+
+def test_the_non_finite_scan_reads_each_device_and_dtype_back_once(monkeypatch):
+    """Waiting for the device once per tensor, and testing the extremes there with kernels
+    launched for the first time in the process, made the scan of a 134M-parameter state take
+    0.05-0.07 s on an H200, as long as the rest of the second load pass."""
+    tensors, _ = _scan_inputs()
+    clean = [t for t in tensors if t.is_floating_point() and t.numel() and torch.isfinite(t).all()]
+    clean += [t.clone() for t in clean] + [t.clone() for t in clean]
+    reads = []
+    original = torch.Tensor.cpu
+
+    def counted(tensor, *args, **kwargs):
+        reads.append((tensor.dtype, tuple(tensor.shape)))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counted)
+    checks.scan_nonfinite([("p", str(i), t) for i, t in enumerate(clean)], "the test")
+    dtypes = {t.dtype for t in clean}
+    assert len(clean) > 2 * len(dtypes)
+    assert sorted(reads, key=str) == sorted(
+        ((d, (sum(t.dtype == d for t in clean), 2)) for d in dtypes), key=str
+    )
+
+
+def test_float8_state_is_scanned_too():
+    float8 = getattr(torch, "float8_e4m3fn", None)
+    if float8 is None:
+        pytest.skip("no float8 in this torch")
+    values = torch.tensor([1.0, -2.0, 448.0, math.nan], device=DEVICE)
+    tensors = [values[:3].to(float8), values.to(float8)]
+    # Where aminmax has no float8 kernel every float8 tensor is a suspect, counted exactly.
+    assert 1 in checks.nonfinite_suspects(tensors)
+    assert [checks.count_nonfinite(t) for t in tensors] == [0, 1]
+    with pytest.raises(ValueError, match="non-finite") as raised:
+        checks.scan_nonfinite([("p", str(i), t) for i, t in enumerate(tensors)], "the test")
+    assert "'1': 1" in str(raised.value) and "'0'" not in str(raised.value)
+
+
 def _fail_on_call(number, exception=RuntimeError("injected fault")):
     """A function that raises on its ``number``-th call and calls through otherwise."""
     calls = []
@@ -196,11 +261,11 @@ def test_a_fault_in_each_phase_of_an_hdo_load(phase, monkeypatch):
     train_hdo(source_params, source, 3, seed=4)
     state_dict = source.state_dict()
     target = {
-        "plan": (checks, "count_nonfinite"),
+        "plan": (checks, "nonfinite_suspects"),
         "commit": (HybridDeviceOptimizer, "_settle"),
         "finish": (HybridDeviceOptimizer, "_hand_back_group_steps"),
     }[phase]
-    monkeypatch.setattr(*target, _fail_on_call(3 if phase != "finish" else 1)(getattr(*target)))
+    monkeypatch.setattr(*target, _fail_on_call(3 if phase == "commit" else 1)(getattr(*target)))
     snapshot = _hdo_snapshot(params, optimizer)
     with pytest.raises(RuntimeError, match="injected fault"):
         optimizer.load_state_dict(state_dict)

@@ -72,25 +72,46 @@ def check_state_shape(value: torch.Tensor, shape: Sequence[int], key: str, where
 
 
 def count_nonfinite(tensor: torch.Tensor) -> int:
-    """How many elements of a floating-point ``tensor`` are NaN or infinite.
-
-    The common answer, none, comes from the extremes alone (``aminmax`` propagates NaN), which
-    needs no temporary the size of the tensor; only then are the bad elements counted.
-    """
+    """How many elements of a floating-point ``tensor`` are NaN or infinite, counted in chunks
+    so that no temporary the size of the tensor is made."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return 0
     flat = tensor.detach().reshape(-1)
-    try:
-        extremes = torch.stack(torch.aminmax(flat))
-        if host_value(torch.isfinite(extremes).all()):
-            return 0
-    except (NotImplementedError, RuntimeError):  # dtypes without aminmax (float8)
-        pass
     bad = 0
     for start in range(0, flat.numel(), _NONFINITE_CHUNK):
-        chunk = flat[start : start + _NONFINITE_CHUNK].float()
+        chunk = flat[start : start + _NONFINITE_CHUNK]
+        if chunk.element_size() == 1:  # float8 has no isfinite; fp32 holds its values
+            chunk = chunk.float()
         bad += chunk.numel() - int(host_value(torch.isfinite(chunk).sum()))
     return bad
+
+
+def nonfinite_suspects(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """Indices of the floating-point ``tensors`` that may hold NaN or infinite values.
+
+    A tensor is clear when its extremes are finite (``aminmax`` propagates NaN), which needs
+    no temporary the size of the tensor. The extremes of all tensors of one device and dtype
+    are written into one small tensor, copied to the host in one copy and tested there: the
+    scan waits for each device once, and launches no kernel but ``aminmax`` (a kernel's first
+    launch in a process costs milliseconds, which the load would pay for each test kernel).
+    """
+    suspects, groups = [], {}
+    for index, tensor in enumerate(tensors):
+        if tensor.is_floating_point() and tensor.numel():
+            groups.setdefault((tensor.device, tensor.dtype), []).append(index)
+    for (device, dtype), indices in groups.items():
+        extremes = torch.empty((len(indices), 2), dtype=dtype, device=device)
+        reduced = []
+        for row, index in zip(extremes, indices):
+            try:
+                torch.aminmax(tensors[index].detach().reshape(-1), out=(row[0], row[1]))
+                reduced.append(True)
+            except (NotImplementedError, RuntimeError):  # dtypes without aminmax (float8)
+                reduced.append(False)
+        # fp64 holds every float dtype's values exactly, and float8 has no isfinite.
+        finite = torch.isfinite(extremes.cpu().double()).all(dim=1).tolist()
+        suspects += [i for i, ok, done in zip(indices, finite, reduced) if not (ok and done)]
+    return sorted(suspects)
 
 
 def host_value(tensor: torch.Tensor) -> Any:
@@ -122,9 +143,11 @@ def scan_nonfinite(tensors: Iterable[Tuple[str, str, Any]], source: str) -> None
     """
     if nonfinite_policy() == "ignore":
         return
+    named = [entry for entry in tensors if isinstance(entry[2], torch.Tensor)]
     found = []
-    for param, key, value in tensors:
-        bad = count_nonfinite(value) if isinstance(value, torch.Tensor) else 0
+    for index in nonfinite_suspects([value for _, _, value in named]):
+        param, key, value = named[index]
+        bad = count_nonfinite(value)
         if bad:
             found.append((param, key, bad))
     report_nonfinite(found, source)
