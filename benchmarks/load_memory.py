@@ -22,7 +22,9 @@ is everything the optimizer keeps per parameter there (master copies or remainde
 least any load must allocate. Offloaded state lives on the host; where no state is on the GPU
 only MiB are shown. It also reports the whole load's wall time, each phase's (``phases s``:
 up to its last kernel, in the order above), and whether the resumed run is bit-exact. Each
-implementation resumes its own checkpoint, one job at a time.
+implementation resumes its own checkpoint, one job at a time; by default each load job reads
+its checkpoint's files into the page cache before it is timed (``--page-cache``), so that the
+times compare the two loads rather than what the disk happened to have cached for each.
 
 Needs CUDA and Transformer Engine (rows needing TE are reported as skipped without it)."""
 
@@ -253,6 +255,14 @@ def build_parser():
     parser.add_argument("--out", help="write the figures (and each raw result) as JSON here")
     parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")
     parser.add_argument(
+        "--page-cache",
+        choices=("warm", "as-left"),
+        default="warm",
+        help="warm: each load job reads its checkpoint's files once before it is timed, so that "
+        "upstream and the fork are timed on the same page cache; as-left: time them on whatever "
+        "the save and the earlier jobs left cached",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="run each load phase under torch.profiler and cProfile and print, per row and "
@@ -276,16 +286,18 @@ def report_profiles(table, out=sys.stdout):
 def main(argv=None):
     """Measure, print the table, write the JSON."""
     args = build_parser().parse_args(argv)
+    # Both read by every load job (they inherit this environment).
+    os.environ[distopt_resume.PAGE_CACHE_ENV] = "1" if args.page_cache == "warm" else "0"
+    if args.profile:
+        os.environ[distopt_resume.PROFILE_ENV] = "1"
     if not torch.cuda.is_available():
         print("load_memory: needs a CUDA device (DDP buffers and GPU memory); nothing measured")
         return 2
-    if args.profile:
-        # Read by every load job (they inherit this environment) when it measures the phases.
-        os.environ[distopt_resume.PROFILE_ENV] = "1"
     shape = distopt_resume.Shape(args.hidden, args.ffn)
     print(
         f"model: {shape.numel / 1e6:.1f}M parameters (hidden {args.hidden}, ffn {args.ffn}), "
-        f"world size {args.nproc_per_node}, {torch.cuda.get_device_name()}",
+        f"world size {args.nproc_per_node}, {torch.cuda.get_device_name()}, "
+        f"page cache {args.page_cache}",
         flush=True,
     )
     table = run(

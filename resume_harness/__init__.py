@@ -38,7 +38,14 @@ from .cases import (
 from .cli import main, parse_args
 from .controls import CONTROL_PAIR, control_failure, with_controls
 from .jobs import load_one, run_load, run_save
-from .measure import PROFILE_ENV, LoadPlanLog, PhasePeaks, optimizer_state_bytes
+from .measure import (
+    PAGE_CACHE_ENV,
+    PROFILE_ENV,
+    LoadPlanLog,
+    PhasePeaks,
+    optimizer_state_bytes,
+    warm_page_cache,
+)
 from .orchestrator import drive
 from .results import MANIFEST, merge_case, merge_rank_files
 from .snapshots import compare, snapshot

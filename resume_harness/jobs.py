@@ -20,7 +20,7 @@ import torch
 from megatron_optimizer_fork.memory import pinned_bytes_held, release_cached_pinned_memory
 
 from .cases import Case, Shape, selected_cases
-from .measure import LoadPlanLog, PhasePeaks, optimizer_state_bytes
+from .measure import LoadPlanLog, PhasePeaks, optimizer_state_bytes, warm_page_cache
 from .results import MANIFEST, current_file, merge_rank_files, rank_file, write_json
 from .snapshots import compare, snapshot
 from .worker import (
@@ -137,6 +137,9 @@ def load_one(case, folder, args, rank, manifest, result, built=None):
     if needs_priming(case, args.load_with, optimizer, args.prime):
         prime(optimizer)
         result["primed"] = True
+    result["page_cache_warmed_bytes"] = warm_page_cache(
+        folder if case.fmt == "legacy" else folder / "dist"
+    )
     peaks = PhasePeaks()
     with LoadPlanLog() as plans:
         start = time.perf_counter()

@@ -5,15 +5,19 @@ fork's FusedAdam loader logs.
 With ``RESUME_HARNESS_PROFILE_PHASES=1`` in the environment (``load_memory.py --profile`` sets
 it) each load phase also runs under ``torch.profiler`` and ``cProfile``, and the job's result
 holds their tables (``load_phase_profiles``); the phase times of such a job include the
-profilers' overhead."""
+profilers' overhead. With ``RESUME_HARNESS_WARM_PAGE_CACHE=1`` (``load_memory.py``'s default)
+a load job reads its checkpoint's files once before it is timed (:func:`warm_page_cache`), so
+that its load time measures the load rather than what the disk and page cache happen to hold."""
 
 import contextlib
 import cProfile
+import gc
 import io
 import logging
 import os
 import pstats
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +27,8 @@ from .worker import distributed_optimizers
 PLAN_LOGGER = "megatron.core.optimizer.fused_adam_state_load"
 PROFILE_ENV = "RESUME_HARNESS_PROFILE_PHASES"
 PROFILE_ROWS = 15
+PAGE_CACHE_ENV = "RESUME_HARNESS_WARM_PAGE_CACHE"
+_WARM_CHUNK = 16 << 20
 
 
 class PhasePeaks:
@@ -62,9 +68,47 @@ class PhasePeaks:
             self.profiles[name] = profile_tables(*profilers)
 
 
+class GcClock:
+    """Collections the garbage collector ran while installed, with their time, by generation:
+    a collection runs inside whatever call allocated the object that set it off, so profilers
+    charge its time to that call."""
+
+    def __init__(self):
+        self.collections = {}
+        self._began = None
+
+    def _track(self, event, info):
+        if event == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            count, seconds = self.collections.get(info["generation"], (0, 0.0))
+            self.collections[info["generation"]] = (
+                count + 1,
+                seconds + time.perf_counter() - self._began,
+            )
+            self._began = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._track)
+        return self
+
+    def __exit__(self, *exc_info):
+        gc.callbacks.remove(self._track)
+
+    def text(self):
+        """One line: each generation's collections and their time, or that none ran."""
+        if not self.collections:
+            return "gc: no collection"
+        return "gc: " + ", ".join(
+            f"generation {generation}: {count} in {seconds * 1000:.1f} ms"
+            for generation, (count, seconds) in sorted(self.collections.items())
+        )
+
+
 @contextlib.contextmanager
 def _profiled(enabled):
-    """``(torch profiler, cProfile)`` running over the block, or ``()`` when not ``enabled``."""
+    """``(torch profiler, cProfile, GcClock)`` running over the block, or ``()`` when not
+    ``enabled``."""
     if not enabled:
         yield ()
         return
@@ -72,25 +116,50 @@ def _profiled(enabled):
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     python = cProfile.Profile()
-    with torch.profiler.profile(activities=activities) as ops:
+    with torch.profiler.profile(activities=activities) as ops, GcClock() as collections:
         python.enable()
         try:
-            yield ops, python
+            yield ops, python, collections
         finally:
             python.disable()
 
 
-def profile_tables(ops, python, rows=PROFILE_ROWS):
+def profile_tables(ops, python, collections=None, rows=PROFILE_ROWS):
     """What a profiled phase spent its time on, as text: ``"ops"``, the torch operators and
     CUDA runtime calls by their own host time (and by their own device time where CUDA was
-    profiled), and ``"python"``, the Python functions by their own time."""
+    profiled), and ``"python"``, the Python functions by their own time, after the line of
+    the garbage collections that ran (:class:`GcClock`)."""
     averages = ops.key_averages()
     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=rows)]
     if torch.cuda.is_available():
         tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=rows))
     text = io.StringIO()
+    if collections is not None:
+        text.write(collections.text() + "\n")
     pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(rows)
     return {"ops": "\n".join(tables), "python": text.getvalue()}
+
+
+def warm_page_cache(folder, enabled=None):
+    """Read every file under ``folder`` once, into the operating system's page cache.
+
+    Args:
+        folder: a checkpoint folder.
+        enabled: None asks the environment (:data:`PAGE_CACHE_ENV`).
+
+    Returns:
+        int: the bytes read (0 when not enabled).
+    """
+    if not (os.environ.get(PAGE_CACHE_ENV) == "1" if enabled is None else enabled):
+        return 0
+    chunk = bytearray(_WARM_CHUNK)
+    total = 0
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as stream:
+                while read := stream.readinto(chunk):
+                    total += read
+    return total
 
 
 def optimizer_state_bytes(optimizer):

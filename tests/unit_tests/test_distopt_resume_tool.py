@@ -4,8 +4,10 @@ torchrun jobs share the GPUs, and that its one table is what every tool, benchma
 reads."""
 
 import dataclasses
+import gc
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -355,9 +357,12 @@ def test_a_profiled_phase_names_the_operators_and_functions_it_ran(monkeypatch):
     peaks = tool.PhasePeaks()
     with peaks.phase("read"):
         _multiply_for_the_profile(torch.ones(32, 32))
+    with peaks.phase("load_state_dict"):
+        gc.collect()
     assert "aten::mm" in peaks.profiles["read"]["ops"]
     assert "_multiply_for_the_profile" in peaks.profiles["read"]["python"]
     assert peaks.seconds["read"] > 0 and peaks.peaks["read"] == 0
+    assert "gc: generation 2: 1 in" in peaks.profiles["load_state_dict"]["python"]
 
     monkeypatch.delenv(tool.PROFILE_ENV)
     quiet = tool.PhasePeaks()
@@ -383,6 +388,25 @@ def test_load_memory_prints_the_profile_of_each_phase():
     assert "=== profile bf16-dp_reshardable fork read" in printed
     assert "aten::copy_ 12 ms" in printed and "write 3 ms" in printed
     assert "upstream" not in printed
+
+
+def test_load_jobs_read_their_checkpoint_into_the_page_cache_unless_told_not_to(
+    monkeypatch, tmp_path
+):
+    sizes = {"dist/a.distcp": 3 << 20, "dist/nested/b.distcp": 17 << 20, "dist/.metadata": 5}
+    for name, size in sizes.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x" * size)
+    assert tool.warm_page_cache(tmp_path / "dist", enabled=False) == 0
+    monkeypatch.setenv(tool.PAGE_CACHE_ENV, "1")
+    assert tool.warm_page_cache(tmp_path / "dist") == sum(sizes.values())
+    monkeypatch.setenv(tool.PAGE_CACHE_ENV, "0")
+    assert tool.warm_page_cache(tmp_path / "dist") == 0
+    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_cpu")
+    monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: False)
+    assert benchmark.main([]) == 2 and os.environ[tool.PAGE_CACHE_ENV] == "1"
+    assert benchmark.main(["--page-cache", "as-left"]) == 2
+    assert os.environ[tool.PAGE_CACHE_ENV] == "0"
 
 
 def test_load_memory_reports_phases_in_state_sets():
