@@ -60,3 +60,15 @@ def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     assert sum(v for k, v in parts.items() if k != "step") <= parts["step"] * 1.01
     assert "_download" not in vars(hdo) and "step" not in vars(hdo._buckets[0].optimizer)
     assert split.breakdown(torch.optim.AdamW(params), grads) == {}
+
+
+def test_the_host_thread_benchmark_steps_every_bucket_on_the_worker_as_on_the_caller():
+    threads = load_tool("../benchmarks/host_adam_threads.py", "host_adam_threads")
+    on_caller, on_worker = (threads.HostBuckets(3, 64, 4) for _ in range(2))
+    on_caller.step_all()
+    threads._on_worker(on_worker, threads.CallerWork(64), True)  # pylint: disable=protected-access
+    for first, second in zip(on_caller.optimizers, on_worker.optimizers):
+        for a, b in zip(first.param_groups[0]["params"], second.param_groups[0]["params"]):
+            assert torch.equal(a, b) and not torch.equal(a, torch.zeros_like(a))
+    times = threads.main(["--buckets", "2", "--bucket-numel", "256", "--repeats", "2"])
+    assert len(times) == 5 and all(len(s) == 2 and min(s) > 0 for s in times.values())
