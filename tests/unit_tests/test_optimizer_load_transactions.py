@@ -197,6 +197,13 @@ def test_the_non_finite_scan_finds_each_bad_tensor_among_mixed_dtypes():
     assert f"and {len(bad) - 5} more tensors" in str(raised.value)
 
 
+def test_fp64_state_beyond_fp32_s_range_is_counted_in_fp64():
+    values = torch.full((10,), 1e300, dtype=torch.float64, device=DEVICE)
+    values[3] = math.nan
+    assert checks.nonfinite_suspects([values]) == [0]
+    assert checks.count_nonfinite(values) == 1
+
+
 def test_the_non_finite_scan_reads_each_device_and_dtype_back_once(monkeypatch):
     """Waiting for the device once per tensor, and testing the extremes there with kernels
     launched for the first time in the process, made the scan of a 134M-parameter state take
