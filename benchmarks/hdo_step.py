@@ -17,9 +17,12 @@ LayerNorms), ``moe`` (657M in 3,291 tensors, 64 experts per layer) and ``stress`
 65,536). Besides the serial floor (the sum of the three) the overlap limit is reported: the
 longest of the three, which a pipeline that overlaps them approaches, and the contended
 limit: the same with host AdamW timed beside one D2H and one H2D of the same bytes, since the
-copies' DMA shares the host's memory bandwidth with AdamW (``adam|copies s``). Only ``step()`` is
-timed; what the benchmark itself does between steps (handing out gradients) is timed apart
-and reported as ``outside s``.
+copies' DMA shares the host's memory bandwidth with AdamW (``adam|copies s``). Torch's
+fused AdamW runs one parallel region per tensor, so the floor's AdamW carries a cost per
+shard; ``adam flat s`` is the same AdamW over the same elements as flat 16 MiB blocks (one
+tensor per fork HDO bucket), shown beside the limits as the headroom a step over whole
+buckets would have, not used in them. Only ``step()`` is timed; what the benchmark itself
+does between steps (handing out gradients) is timed apart and reported as ``outside s``.
 
 Without CUDA there is nothing to offload to: the figures are then host-only and labelled so.
 """
@@ -40,6 +43,9 @@ from hdo_step_breakdown import breakdown
 
 from megatron_optimizer_fork import load_upstream_module
 from megatron_optimizer_fork.memory import pinned_bytes_held, pinned_bytes_in_use
+
+FLAT_BLOCK_NUMEL = 4 << 20
+"""fp32 elements of one of the fork HDO's host buckets (16 MiB), for ``adam flat s``."""
 
 
 def fork_class():
@@ -121,13 +127,14 @@ def measure_floor(args, device, fraction):
     """
     chosen = offloaded_sizes(args, fraction)
     if not chosen:
-        return {"adam": 0.0, "d2h": 0.0, "h2d": 0.0, "adam_beside_copies": 0.0}
+        return {"adam": 0.0, "adam_flat": 0.0, "d2h": 0.0, "h2d": 0.0, "adam_beside_copies": 0.0}
     generator = value_generator(device, seed=1)
     params = [random_values(n, generator, device).cpu() for n in chosen]
     for p in params:
         p.grad = random_values(p.numel(), generator, device).mul_(1e-3).cpu()
     adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
     result = {"adam": timed(adam.step, "cpu", args.repeats)["median"]}
+    result["adam_flat"] = flat_adam_seconds(sum(chosen), generator, device, args.repeats)
     if device != "cuda":
         result.update(d2h=0.0, h2d=0.0, adam_beside_copies=result["adam"])
         return result
@@ -146,6 +153,28 @@ def measure_floor(args, device, fraction):
     del adam, params, down, up
     gc.collect()
     return result
+
+
+def flat_blocks(numel, block_numel=FLAT_BLOCK_NUMEL):
+    """Sizes of ``numel`` elements cut into blocks of ``block_numel`` (the last shorter)."""
+    return [min(block_numel, numel - start) for start in range(0, numel, block_numel)]
+
+
+def flat_adam_seconds(numel, generator, device, repeats):
+    """Median time of fused host AdamW over ``numel`` elements as flat 16 MiB blocks.
+
+    The same bytes as the floor's AdamW, but one tensor (and one parallel region) per HDO
+    bucket instead of one per shard: how fast the host step could be without its per-tensor
+    cost, which the floor's own AdamW includes.
+    """
+    params = [random_values(n, generator, device).cpu() for n in flat_blocks(numel)]
+    for p in params:
+        p.grad = random_values(p.numel(), generator, device).mul_(1e-3).cpu()
+    adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    seconds = timed(adam.step, "cpu", repeats)["median"]
+    del adam, params
+    gc.collect()
+    return seconds
 
 
 def value_generator(device, seed=0):
@@ -273,7 +302,7 @@ def run_worker(args, name, fraction, overlap):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def parse_args():
+def parse_args(argv=None):
     """The command line; every option says what it does and shows its default."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -322,7 +351,7 @@ def parse_args():
     )
     parser.add_argument("--out", default="results", help="folder of the JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 COLUMNS = [
@@ -340,6 +369,7 @@ COLUMNS = [
     ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
     ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
     ("adam s", 6, lambda r: f"{r['floor']['adam']:.3f}"),
+    ("adam flat s", 11, lambda r: f"{r['floor'].get('adam_flat', float('nan')):.3f}"),
     ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
     ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
     ("adam|copies s", 13, lambda r: f"{r['floor']['adam_beside_copies']:.3f}"),
@@ -433,7 +463,9 @@ def main():
                     json.dump({"device": label, "args": summary, "rows": rows}, out, indent=1)
     legend = (
         "floor = fused host AdamW over the offloaded tensors + bf16 D2H + bf16 H2D of their "
-        "bytes (one pinned block each way); limit = the longest of the three; contended = the "
+        "bytes (one pinned block each way); limit = the longest of the three; adam flat = that "
+        "AdamW over the same elements as flat 16 MiB blocks (one tensor per HDO bucket; not in "
+        "the limits); contended = the "
         "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); step = "
         "median of step() alone (min-max over the repeats); outside = the benchmark's own work "
         "per step (handing out gradients), not in step; run = the row's process, start to end "

@@ -35,6 +35,28 @@ def test_the_contended_limit_takes_adam_as_timed_beside_the_copies():
     ] == pytest.approx(0.2)
 
 
+def test_the_flat_adam_blocks_cover_the_elements_in_bucket_sized_pieces():
+    assert benchmark.flat_blocks(10, block_numel=4) == [4, 4, 2]
+    assert benchmark.flat_blocks(8, block_numel=4) == [4, 4]
+    numel = 3 * benchmark.FLAT_BLOCK_NUMEL + 5
+    assert sum(benchmark.flat_blocks(numel)) == numel
+    assert len(benchmark.flat_blocks(numel)) == 4
+    assert benchmark.FLAT_BLOCK_NUMEL * 4 == 16 << 20  # fp32 bytes of one HDO bucket
+
+
+def test_the_flat_adam_time_is_measured_and_printed_beside_the_limits():
+    args = benchmark.parse_args(["--case", "stress", "--scale", "0.001", "--repeats", "1"])
+    args.case = "stress"  # main() runs the cases one at a time
+    floor = benchmark.measure_floor(args, "cpu", 1.0)
+    assert floor["adam_flat"] > 0.0
+    result = {"step": 0.15, "step_min": 0.14, "step_max": 0.16, "outside": 0.0}
+    result.update(pinned_held=0, pinned_live=0)
+    row = benchmark.row_of("stress", 1.0, True, "fork", result, floor, True)
+    assert row["limit_s"] == max(floor["adam"], floor["d2h"], floor["h2d"])
+    cells = {name: cell(row) for name, _, cell in benchmark.COLUMNS}
+    assert cells["adam flat s"] == f"{floor['adam_flat']:.3f}"
+
+
 def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     """The parts are timed within the step and the optimizer is left as it was: its methods
     are its class's again, and a later step runs untimed."""
