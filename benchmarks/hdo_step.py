@@ -57,6 +57,12 @@ def fork_class():
     return hybrid_optimizer.HybridDeviceOptimizer
 
 
+def fork_per_copy_class():
+    """The fork's HybridDeviceOptimizer stepping its host buckets copy by copy (no flat step),
+    the reference ``--per-copy`` times beside it."""
+    return type("HybridDeviceOptimizer", (fork_class(),), {"flat_host_steps": False})
+
+
 def upstream_class():
     """megatron-core 0.19.2's HybridDeviceOptimizer from its own file."""
     return load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer").HybridDeviceOptimizer
@@ -270,7 +276,11 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
     return result
 
 
-IMPLEMENTATIONS = {"upstream 0.19.2": upstream_class, "fork": fork_class}
+IMPLEMENTATIONS = {
+    "upstream 0.19.2": upstream_class,
+    "fork": fork_class,
+    "fork per-copy": fork_per_copy_class,
+}
 
 
 def run_worker(args, name, fraction, overlap):
@@ -343,6 +353,12 @@ def parse_args(argv=None):
         "default",
     )
     parser.add_argument("--skip-upstream", action="store_true", help="time the fork alone")
+    parser.add_argument(
+        "--per-copy",
+        action="store_true",
+        help="also time the fork with its host buckets stepped copy by copy (flat_host_steps "
+        "off), in the same run, as the reference its flat step is measured against",
+    )
     parser.add_argument(
         "--breakdown",
         action="store_true",
@@ -422,7 +438,7 @@ def main():
         f"HDO step benchmark on {label}; torch {torch.__version__}; host threads "
         f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}"
     )
-    implementations = ["fork"]
+    implementations = ["fork", "fork per-copy"] if args.per_copy else ["fork"]
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]

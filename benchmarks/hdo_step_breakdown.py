@@ -67,6 +67,8 @@ def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str
             stack.enter_context(_timing(optimizer, name, label, totals))
         for bucket in buckets:
             stack.enter_context(_timing(bucket.optimizer, "step", "host step", totals))
+            if getattr(bucket, "flat", None) is not None:
+                stack.enter_context(_timing(bucket.flat, "step", "host step", totals))
         if optimizer.gpu_optimizer is not None:
             stack.enter_context(_timing(optimizer.gpu_optimizer, "step", "in-place step", totals))
         for _ in range(steps):

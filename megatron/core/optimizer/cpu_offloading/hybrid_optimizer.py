@@ -8,7 +8,9 @@ in a small ring of host staging slots, one bucket per slot at a time, and each s
 copy is uploaded as it is (an fp32 master is narrowed on the device). A bucket of several small
 parameters moves as one block each way: its host copies are views into one flat block, its
 gradients are gathered (and widened) into a device staging buffer laid out like its slot, so
-each direction costs one copy and one multi-tensor kernel, whatever the number of tensors.
+each direction costs one copy and one multi-tensor kernel, whatever the number of tensors;
+where the host optimizer is torch's fused Adam or AdamW, the bucket is also stepped in one
+kernel call over its blocks (:mod:`hybrid_optimizer_flat_step`).
 Pinned host memory stays within what megatron-core 0.19.2 keeps pinned for the same
 parameters; host copies that do not fit stay pageable and go up through a slot that has no
 further use in the step (the plans and layouts: :mod:`hybrid_optimizer_copies`).
@@ -42,6 +44,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     slot_sizes,
     upstream_pinned_bytes,
 )
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
     ParamState,
@@ -153,6 +156,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             bucket's step (one staging slot).
         **kwargs: hyperparameters handed to the sub-optimizers (lr, betas, eps, ...).
     """
+
+    # Step each packed host bucket of torch's fused Adam/AdamW in one kernel call over its
+    # blocks (see hybrid_optimizer_flat_step); False steps copy by copy, as a reference.
+    flat_host_steps = True
 
     def __init__(
         self,
@@ -489,7 +496,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         pinned_blocks = set(plan.blocks_to_pin)
         for index, bucket in enumerate(self._buckets):
             if bucket.packed:
-                pack_host_copies(bucket, index in pinned_blocks)
+                self._pack(bucket, index in pinned_blocks)
         for host in plan.masters_to_pin:
             # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
             host.data = host.pin_memory()
@@ -506,6 +513,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for bucket in on_cuda:
                 bucket.down = [_typed_view(down, offset, host) for host, _, offset in bucket.grads]
                 bucket.up = [_typed_view(up, offset, host) for host, _, offset in bucket.grads]
+
+    def _pack(self, bucket: _Bucket, pin: bool):
+        """Lay the bucket's host copies out as one block; step it flat where it can be."""
+        pack_host_copies(bucket, pin)
+        bucket.flat = None
+        if self.flat_host_steps and suits(bucket.optimizer, bucket.hosts):
+            bucket.flat = FlatAdamStep(
+                bucket.optimizer,
+                [self._entries_by_inner[host] for host in bucket.hosts],
+                [(offset, _nbytes(host)) for host, _, offset in bucket.grads],
+                bucket.master,
+                self._ring[bucket.slot],
+            )
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
@@ -594,7 +614,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
             if event is not None:
                 event.synchronize()
-            bucket.optimizer.step()
+            if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
+                bucket.optimizer.step()
+                if bucket.flat is not None:
+                    bucket.flat.lay_out()  # so that the next step can be flat
             if bucket.follower is not None:
                 self._download(bucket.follower)
             self._upload(bucket, staged_in_slot=bucket.follower is None)
@@ -653,7 +676,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """
         bucket = self._buckets[index]
         if bucket.master is not None and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
-            pack_host_copies(bucket, bucket.master.is_pinned())  # a copy was re-pointed
+            self._pack(bucket, bucket.master.is_pinned())  # a copy was re-pointed
         grads = [_grad_of(param) for param in bucket.params]
         bucket.keep = None
         if any(grad is None for grad in grads):

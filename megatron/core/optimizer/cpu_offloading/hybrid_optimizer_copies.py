@@ -129,6 +129,7 @@ class _Bucket:
         down: device views the gradients are gathered and widened into (packed, on CUDA).
         up: device views the uploaded block lands in, narrowed from there (packed, on CUDA).
         keep: indices of the copies that have a gradient in this step; None for all.
+        flat: the one-call step of a packed bucket (first step on), or None.
     """
 
     optimizer: torch.optim.Optimizer
@@ -145,6 +146,7 @@ class _Bucket:
     down: List[torch.Tensor] = dataclasses.field(default_factory=list)
     up: List[torch.Tensor] = dataclasses.field(default_factory=list)
     keep: Optional[List[int]] = None
+    flat: Any = None
 
     def kept(self, items: List[Any]) -> List[Any]:
         """The entries of ``items`` (one per copy) whose copy has a gradient this step."""

@@ -1,0 +1,294 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""One fused AdamW call over a packed host bucket instead of one parallel region per copy.
+
+Torch's fused host Adam visits the tensors of its list one by one, each in a parallel region
+of its own, and gathers them in Python first; with thousands of small shards (a GPT or MoE
+model under the distributed optimizer) that per-tensor cost is a large part of the step. A
+packed bucket's host copies are already views into one block laid out as their gradients are
+staged (:func:`~.hybrid_optimizer_copies.pack_host_copies`); once their moments are laid out
+alike, a run of adjacent copies is one tensor for the kernel, and the bucket is one call.
+
+Every element gets the operations the per-copy step gives it. The kernel runs a vector loop
+over each tensor and a scalar loop over its last partial vector, and the two may round
+differently (fused multiply-add), so a run only continues past a copy that fills whole
+64-byte lines: a copy of another size ends its run, and its partial vector stays last.
+
+The moments stay the entries' own tensors, so what clients read, hold or assign is the state.
+Where they are not laid out (the first step creates them one by one; a load, ``dummy_step`` or
+a client may put other tensors there), :meth:`FlatAdamStep.lay_out` copies them into a block
+and re-points each tensor there with ``.data``; the entries' tensors are the blocks' only
+owners. Whatever the kernel's single call cannot reproduce (a copy without a gradient,
+counters that differ, step hooks, amsgrad, a learning rate on an accelerator, another class
+than torch's own Adam or AdamW) is left to the sub-optimizer's own step.
+"""
+
+import operator
+from itertools import repeat
+from typing import List, Optional, Tuple
+
+import torch
+from torch.optim import optimizer as _torch_optimizer
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import _typed_view
+
+# Bytes of one cache line: the kernel's unit of work and, at most, its vector width.
+_LINE_BYTES = 64
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+# A tensor's version counter, which every in-place write bumps.
+_VERSION = operator.attrgetter("_version")
+
+
+def flat_runs(layout: List[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
+    """Runs of copies stepped as one tensor each.
+
+    Args:
+        layout: ``(byte offset, byte size)`` of each copy in its block, in order; offsets are
+            multiples of ``_LINE_BYTES``.
+
+    Returns:
+        ``(first copy, start byte, end byte)`` per run: a run goes on while the copy before
+        fills whole lines and the next one starts where it ends.
+    """
+    runs: List[List[int]] = []
+    extends = False  # whether the next copy may join the last run
+    for index, (offset, nbytes) in enumerate(layout):
+        if extends and runs[-1][2] == offset:
+            runs[-1][2] = offset + nbytes
+        else:
+            runs.append([index, offset, offset + nbytes])
+        extends = offset % _LINE_BYTES == 0 and nbytes % _LINE_BYTES == 0
+    return [(first, start, end) for first, start, end in runs]
+
+
+def suits(optimizer: torch.optim.Optimizer, hosts: List[torch.Tensor]) -> bool:
+    """Whether a bucket of these host copies can be stepped flat by ``optimizer``: torch's
+    own fused Adam or AdamW over exactly these copies, all of one floating-point dtype."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    if len(optimizer.param_groups) != 1 or len(hosts) < 2:
+        return False
+    params = optimizer.param_groups[0]["params"]
+    if len(params) != len(hosts) or not all(map(operator.is_, params, hosts)):
+        return False
+    dtypes = {host.dtype for host in hosts}
+    return len(dtypes) == 1 and hosts[0].is_floating_point() and not hosts[0].is_complex()
+
+
+class FlatAdamStep:
+    """Steps a packed bucket's runs of copies in one fused Adam call.
+
+    Args:
+        optimizer: the bucket's sub-optimizer (:func:`suits` it).
+        entries: the state entry of each host copy, in the bucket's order.
+        layout: ``(byte offset, byte size)`` of each copy in the bucket's blocks.
+        master: the block the host copies are views into.
+        grads: the ring slot their gradients are staged in (raw bytes).
+    """
+
+    def __init__(self, optimizer, entries, layout, master: torch.Tensor, grads: torch.Tensor):
+        self.optimizer = optimizer
+        self.entries = entries
+        self.master = master
+        self._offsets = [offset for offset, _ in layout]
+        self._nbytes = layout[-1][0] + layout[-1][1]
+        self._runs = flat_runs(layout)
+        ends = [first for first, _, _ in self._runs[1:]] + [len(layout)]
+        # A run of one copy is stepped as the copy's own tensors, in its shape.
+        self._single = [end - first == 1 for (first, _, _), end in zip(self._runs, ends)]
+        hosts = optimizer.param_groups[0]["params"]
+        self._params, self._grads = [], []
+        for (first, start, end), single in zip(self._runs, self._single):
+            for views, raw in ((self._params, master), (self._grads, grads)):
+                if single:
+                    views.append(_typed_view(raw, start, hosts[first]))
+                else:
+                    views.append(raw[start:end].view(hosts[first].dtype))
+        self._numels = [p.numel() for p in self._params]
+        self._seen: Optional[tuple] = None  # the state as the last flat step left it
+
+    # ------------------------------------------------------------------ stepping
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Step the bucket flat, if its state allows; False (nothing done) if not, and the
+        sub-optimizer must step it. Every copy must have its slot view as its gradient."""
+        group = self.optimizer.param_groups[0]
+        settings = self._kernel_settings(group)
+        if settings is None or _hooked(self.optimizer) or _scaled(self.optimizer):
+            return False
+        counters, moments = self._state()
+        if not any(self.entries):
+            counters, moments = self._create_state()
+        seen = _look(counters, moments)
+        if seen is None or (seen != self._seen and not self._laid_out(counters, moments)):
+            self._seen = None
+            return False
+        torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
+        kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
+        kernel(  # pylint: disable=protected-access
+            self._params,
+            self._grads,
+            *(self._run_views(values) for values in moments),
+            [],
+            [counters[first] for first, _, _ in self._runs],
+            **settings,
+        )
+        # The add bumped each counter's version once; nothing else changed.
+        self._seen = (seen[0], tuple(version + 1 for version in seen[1]), seen[2])
+        return True
+
+    @staticmethod
+    def _kernel_settings(group) -> Optional[dict]:
+        """The fused kernel's arguments for ``group``, or None where its step is not that
+        one call: not fused, amsgrad, a learning rate on an accelerator, tensor betas."""
+        decoupled = group.get("decoupled_weight_decay")
+        if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
+            return None
+        if decoupled is None or group.get("capturable"):
+            return None
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+            return None
+        if isinstance(beta1, torch.Tensor) or isinstance(beta2, torch.Tensor):
+            return None
+        return dict(
+            decoupled=decoupled,
+            amsgrad=False,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group.get("maximize", False),
+            grad_scale=None,
+            found_inf=None,
+        )
+
+    def _state(self):
+        """Each entry's counter and moments, as lists (None where one is missing)."""
+        counters = list(map(dict.get, self.entries, repeat("step")))
+        moments = [list(map(dict.get, self.entries, repeat(key))) for key in _MOMENTS]
+        return counters, moments
+
+    def _create_state(self):
+        """Give every copy the state torch's fused Adam creates on its first step (a zero
+        host counter in fp32, zero moments), its moments laid out in one block per key."""
+        hosts = self.optimizer.param_groups[0]["params"]
+        blocks = [torch.zeros(self._nbytes, dtype=torch.uint8) for _ in _MOMENTS]
+        for entry, host, offset in zip(self.entries, hosts, self._offsets):
+            entry["step"] = torch.zeros((), dtype=torch.float32)
+            for key, block in zip(_MOMENTS, blocks):
+                entry[key] = _typed_view(block, offset, host)
+        return self._state()
+
+    def _run_views(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
+        """One tensor per run over laid-out ``values``: a run of one copy is its own tensor;
+        a longer one is seen from its first copy's tensor on, as long as the run (the copies
+        after it lie there, as :meth:`_laid_out` checked)."""
+        return [
+            values[first] if single else values[first].as_strided((numel,), (1,))
+            for (first, _, _), numel, single in zip(self._runs, self._numels, self._single)
+        ]
+
+    # ------------------------------------------------------------------ layout
+
+    def _laid_out(self, counters, moments) -> bool:
+        """Whether the state can be stepped flat as it is: one distinct host counter per copy,
+        all equal, and each moment key's tensors laid out like the copies in one storage."""
+        hosts = self.optimizer.param_groups[0]["params"]
+        if not all(
+            isinstance(c, torch.Tensor) and c.dim() == 0 and c.device.type == "cpu"
+            for c in counters
+        ):
+            return False
+        if len({c.dtype for c in counters}) != 1:
+            return False
+        tensors = [*counters, *(value for values in moments for value in values)]
+        if len(set(map(id, tensors))) != len(tensors):
+            return False  # a tensor shared by two entries is stepped once per entry
+        for values in moments:
+            if not all(_fits(value, host) for value, host in zip(values, hosts)):
+                return False
+            if not self._in_one_block(values):
+                return False
+        stacked = torch.stack(counters)
+        return bool((stacked == stacked[0]).all())
+
+    def _in_one_block(self, values: List[torch.Tensor]) -> bool:
+        """Whether ``values`` lie in one storage at the copies' offsets."""
+        storage = values[0].untyped_storage()
+        base = storage.data_ptr()
+        if values[0].data_ptr() - base != self._offsets[0] or storage.nbytes() < self._nbytes:
+            return False
+        return all(
+            value.untyped_storage().data_ptr() == base and value.data_ptr() - base == offset
+            for value, offset in zip(values, self._offsets)
+        )
+
+    @torch.no_grad()
+    def lay_out(self):
+        """Move moments that are not laid out into a new block each, where the state is one
+        the flat step could take (after the sub-optimizer's own step, a load, a client)."""
+        counters, moments = self._state()
+        if _look(counters, moments) is None:
+            return
+        hosts = self.optimizer.param_groups[0]["params"]
+        tensors = [value for values in moments for value in values]
+        if len(set(map(id, tensors))) != len(tensors):
+            return
+        for values in moments:
+            if not all(_fits(value, host) for value, host in zip(values, hosts)):
+                return
+            if self._in_one_block(values):
+                continue
+            block = torch.empty(self._nbytes, dtype=torch.uint8)
+            views = [
+                _typed_view(block, offset, value) for value, offset in zip(values, self._offsets)
+            ]
+            # Every value is read before any is re-pointed: two of them may share memory.
+            torch._foreach_copy_(views, values)  # pylint: disable=protected-access
+            for value, view in zip(values, views):
+                value.data = view
+
+
+def _fits(value, host: torch.Tensor) -> bool:
+    """Whether ``value`` is a dense host tensor of ``host``'s dtype and size."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.dtype == host.dtype
+        and value.numel() == host.numel()
+        and value.is_contiguous()
+    )
+
+
+def _look(counters, moments) -> Optional[tuple]:
+    """What tells the next step that nothing changed since this one: which counters the
+    entries hold and their versions (an in-place write bumps one), where each moment's memory
+    is (a ``.data`` swap moves it). Numbers only, so it keeps no tensor alive; None where a
+    value is missing or no tensor."""
+    try:
+        return (
+            tuple(map(id, counters)),
+            tuple(map(_VERSION, counters)),
+            tuple(tuple(map(torch.Tensor.data_ptr, values)) for values in moments),
+        )
+    except (AttributeError, TypeError):
+        return None
+
+
+def _scaled(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a gradient scaler left ``optimizer`` a scale or an inf flag for its step."""
+    return getattr(optimizer, "grad_scale", None) is not None or (
+        getattr(optimizer, "found_inf", None) is not None
+    )
+
+
+def _hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether step hooks would see ``optimizer``'s step (its own, or every optimizer's)."""
+    # pylint: disable=protected-access
+    own = optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+    every = _torch_optimizer._global_optimizer_pre_hooks
+    return bool(own or every or _torch_optimizer._global_optimizer_post_hooks)

@@ -1,0 +1,244 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""A packed host bucket is stepped in one fused call, exactly as copy by copy.
+
+Once a packed bucket's moments are views into blocks laid out like its host copies, its runs
+of copies are single tensors of one fused AdamW call (``FlatAdamStep``). Each test runs that
+beside the straightforward optimizer (every parameter a bucket of its own, or the same buckets
+stepped copy by copy) on the same inputs and compares parameters and state with
+``torch.equal``, with sizes that are not multiples of a vector (whose last elements the kernel
+steps one at a time), learning-rate changes, and state that clients reassign or that a load
+replaces between steps.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from hdo_client_flows import build_hdo
+    from test_hybrid_optimizer_packed_copies import assert_same
+    from test_optimizer_cpu_offloading import train_drawn
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.hdo_client_flows import build_hdo
+    from tests.unit_tests.test_hybrid_optimizer_packed_copies import assert_same
+    from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
+
+pytestmark = pytest.mark.skipif(
+    not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), reason="the fork's buckets"
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Multiples of 16 and 32 elements (runs stepped as one tensor) between sizes that are not.
+SIZES = [16, 32, 1001, 48, 77, 4096, 3, 160, 65541, 64, (8, 12), 5]
+BUCKET_BYTES = 1 << 16
+
+
+def make(bucket_bytes, monkeypatch, seed=0, flat=True, sizes=None):
+    """Every parameter offloaded, in host buckets of ``bucket_bytes`` (0: one each), stepped
+    flat or (``flat=False``) copy by copy."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", bucket_bytes)
+    hdo_class = hybrid_optimizer.HybridDeviceOptimizer
+    params, optimizer = build_hdo(hdo_class, sizes or SIZES, 1.0, seed=seed, device=DEVICE)
+    optimizer.flat_host_steps = flat
+    return params, optimizer
+
+
+def train(params, optimizer, steps, seed, between=None):
+    """Drawn gradients for every parameter; the learning rate changes after each step."""
+
+    def after(opt):
+        for group in opt.param_groups:
+            group["lr"] *= 0.7
+        if between is not None:
+            between(opt)
+
+    train_drawn(params, optimizer, steps, seed, has_grad=lambda step, index: True, check=after)
+
+
+def flat_buckets(optimizer):
+    """The buckets stepped flat (there must be some)."""
+    buckets = [bucket for bucket in optimizer._buckets if bucket.flat is not None]
+    assert buckets, "no bucket is stepped flat"
+    return buckets
+
+
+def assert_moments_in_blocks(optimizer):
+    """Every moment of a bucket stepped flat is a view into that moment's one block."""
+    for bucket in flat_buckets(optimizer):
+        for key in ("exp_avg", "exp_avg_sq"):
+            storages = {optimizer.state[p][key].untyped_storage().data_ptr() for p in bucket.params}
+            assert len(storages) == 1, key
+
+
+@pytest.mark.parametrize("reference_bytes", [0, BUCKET_BYTES], ids=["one-each", "per-copy"])
+def test_a_packed_bucket_is_stepped_flat_exactly_as_copy_by_copy(reference_bytes, monkeypatch):
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 5, seed=3)
+    assert_moments_in_blocks(optimizer)
+    reference_params, reference = make(reference_bytes, monkeypatch, flat=False)
+    assert not any(bucket.flat for bucket in reference._buckets)
+    train(reference_params, reference, 5, seed=3)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_after_the_first_step_flat_buckets_never_call_their_sub_optimizer(monkeypatch):
+    """The one fused call replaces the sub-optimizer's step, state creation included."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 1, seed=1)  # builds the buckets
+    calls = []
+    for bucket in flat_buckets(optimizer):
+        bucket.optimizer.step = lambda *args, _b=bucket, **kwargs: calls.append(_b)
+    optimizer.state.clear()  # the next step creates the state again, flat
+    train(params, optimizer, 3, seed=2)
+    assert not calls
+    assert_moments_in_blocks(optimizer)
+    reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
+    train(reference_params, reference, 1, seed=1)
+    reference.state.clear()
+    train(reference_params, reference, 3, seed=2)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_runs_join_copies_of_whole_lines_and_end_at_any_other():
+    flat_step = pytest.importorskip(
+        "megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step"
+    )
+    layout = [
+        (0, 64),
+        (64, 128),
+        (192, 12),  # not whole lines: ends its run (its partial vector stays last)
+        (256, 64),
+        (320, 32),  # ends the run it joins
+        (384, 192),
+        (640, 64),  # a gap before it: a new run
+    ]
+    assert flat_step.flat_runs(layout) == [(0, 0, 204), (3, 256, 352), (5, 384, 576), (6, 640, 704)]
+
+
+def test_moments_a_client_assigns_are_stepped_and_laid_out_again(monkeypatch):
+    """Assigned tensors (new objects, scaled values) are what the next step uses; they are
+    then moved into the block, where the next assignment finds them."""
+
+    def reassign(optimizer):
+        for param in list(optimizer.state)[::2]:
+            entry = optimizer.state[param]
+            entry["exp_avg"] = entry["exp_avg"] * 0.5
+            entry["exp_avg_sq"] = entry["exp_avg_sq"].clone()
+
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 4, seed=5, between=reassign)
+    reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
+    train(reference_params, reference, 4, seed=5, between=reassign)
+    assert_same((params, optimizer), (reference_params, reference))
+    train(params, optimizer, 1, seed=6)
+    assert_moments_in_blocks(optimizer)
+
+
+def test_a_loaded_state_dict_is_stepped_as_saved(monkeypatch):
+    """A state dict saved after flat steps and loaded into a fresh optimizer resumes
+    exactly as the optimizer that kept going (and as one stepped copy by copy)."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 3, seed=1)
+    saved = copy.deepcopy(optimizer.state_dict())  # its tensors are the live state
+    values = [p.detach().clone() for p in params]
+    train(params, optimizer, 2, seed=2)
+
+    resumed_params, resumed = make(BUCKET_BYTES, monkeypatch, seed=9)
+    with torch.no_grad():
+        for param, value in zip(resumed_params, values):
+            param.copy_(value)
+    resumed.load_state_dict(saved)
+    train(resumed_params, resumed, 2, seed=2)
+    assert_same((resumed_params, resumed), (params, optimizer))
+    assert_moments_in_blocks(resumed)
+
+
+def test_counters_that_differ_step_copy_by_copy(monkeypatch):
+    """Copies whose counters differ (a client reset one) cannot share a step: each copy then
+    gets its own bias correction, as stepped copy by copy."""
+
+    def reset_one(optimizer):
+        first = next(iter(optimizer.state))
+        optimizer.state[first]["step"].fill_(1.0)
+
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 3, seed=4, between=reset_one)
+    reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
+    train(reference_params, reference, 3, seed=4, between=reset_one)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_held_moments_stay_the_state_that_is_stepped(monkeypatch):
+    """A moment a client holds from before the blocks were laid out is still the entry's
+    tensor afterwards, stepped in place (torch's optimizers keep state objects)."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 1, seed=3)
+    held = {p: optimizer.state[p]["exp_avg"] for p in params}
+    train(params, optimizer, 3, seed=4)
+    assert_moments_in_blocks(optimizer)
+    reference_params, reference = make(0, monkeypatch)
+    train(reference_params, reference, 1, seed=3)
+    train(reference_params, reference, 3, seed=4)
+    for param, ref in zip(params, reference_params):
+        assert held[param] is optimizer.state[param]["exp_avg"]
+        assert torch.equal(held[param], reference.state[ref]["exp_avg"])
+
+
+@pytest.mark.parametrize("change", ["data", "swap"])
+def test_moments_re_pointed_or_swapped_by_a_client_are_stepped(change, monkeypatch):
+    """``.data`` replaced with other values, or two same-sized parameters' moments exchanged
+    (an expert permutation): the next step uses exactly what the entries then hold."""
+
+    def edit(optimizer):
+        entries = [optimizer.state[p] for p in optimizer.param_groups[0]["params"]]
+        if change == "data":
+            for entry in entries:
+                entry["exp_avg"].data = entry["exp_avg"] * 0.5
+        else:
+            first, second = entries  # SIZES[0] and SIZES[1] hold whole lines: one run
+            first["exp_avg"], second["exp_avg"] = second["exp_avg"][:16], first["exp_avg"][:16]
+
+    sizes = [16, 16] + SIZES[2:]
+
+    params, optimizer = make(BUCKET_BYTES, monkeypatch, sizes=sizes)
+    train(params, optimizer, 4, seed=5, between=edit)
+    train(params, optimizer, 1, seed=6)
+    assert_moments_in_blocks(optimizer)
+    reference_params, reference = make(0, monkeypatch, sizes=sizes)
+    train(reference_params, reference, 4, seed=5, between=edit)
+    train(reference_params, reference, 1, seed=6)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_cleared_state_leaves_no_block_behind(monkeypatch):
+    """The entries' tensors are the moment blocks' only owners: the flat step keeps no view
+    of them, so cleared state frees them."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 3, seed=1)
+    blocks = {
+        optimizer.state[p][key].untyped_storage().data_ptr()
+        for bucket in flat_buckets(optimizer)
+        for p in bucket.params
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+    for bucket in flat_buckets(optimizer):
+        held = [value for value in vars(bucket.flat).values() if isinstance(value, list)]
+        for tensor in (t for values in held for t in values if torch.is_tensor(t)):
+            assert tensor.untyped_storage().data_ptr() not in blocks
+
+
+def test_step_hooks_of_a_host_sub_optimizer_run(monkeypatch):
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 1, seed=1)
+    calls = []
+    for sub in optimizer.cpu_optimizers:
+        sub.register_step_post_hook(lambda opt, args, kwargs: calls.append(opt))
+    train(params, optimizer, 2, seed=2)
+    assert len(calls) == 2 * len(optimizer.cpu_optimizers)
+    reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
+    train(reference_params, reference, 1, seed=1)
+    train(reference_params, reference, 2, seed=2)
+    assert_same((params, optimizer), (reference_params, reference))
