@@ -90,7 +90,6 @@ class FlatAdamStep:
     def __init__(self, optimizer, entries, layout, master: torch.Tensor, grads: torch.Tensor):
         self.optimizer = optimizer
         self.entries = entries
-        self.master = master
         self._offsets = [offset for offset, _ in layout]
         self._nbytes = layout[-1][0] + layout[-1][1]
         self._runs = flat_runs(layout)
@@ -197,7 +196,6 @@ class FlatAdamStep:
     def _laid_out(self, counters, moments) -> bool:
         """Whether the state can be stepped flat as it is: one distinct host counter per copy,
         all equal, and each moment key's tensors laid out like the copies in one storage."""
-        hosts = self.optimizer.param_groups[0]["params"]
         if not all(
             isinstance(c, torch.Tensor) and c.dim() == 0 and c.device.type == "cpu"
             for c in counters
@@ -205,16 +203,21 @@ class FlatAdamStep:
             return False
         if len({c.dtype for c in counters}) != 1:
             return False
-        tensors = [*counters, *(value for values in moments for value in values)]
-        if len(set(map(id, tensors))) != len(tensors):
-            return False  # a tensor shared by two entries is stepped once per entry
-        for values in moments:
-            if not all(_fits(value, host) for value, host in zip(values, hosts)):
-                return False
-            if not self._in_one_block(values):
-                return False
+        if len(set(map(id, counters))) != len(counters) or not self._movable(moments):
+            return False
+        if not all(self._in_one_block(values) for values in moments):
+            return False
         stacked = torch.stack(counters)
         return bool((stacked == stacked[0]).all())
+
+    def _movable(self, moments) -> bool:
+        """Whether every moment is a dense host tensor of its copy's dtype and size, and no
+        tensor is held by two entries (it would be stepped once per entry)."""
+        hosts = self.optimizer.param_groups[0]["params"]
+        tensors = [value for values in moments for value in values]
+        if len(set(map(id, tensors))) != len(tensors):
+            return False
+        return all(_fits(value, host) for values in moments for value, host in zip(values, hosts))
 
     def _in_one_block(self, values: List[torch.Tensor]) -> bool:
         """Whether ``values`` lie in one storage at the copies' offsets."""
@@ -232,15 +235,9 @@ class FlatAdamStep:
         """Move moments that are not laid out into a new block each, where the state is one
         the flat step could take (after the sub-optimizer's own step, a load, a client)."""
         counters, moments = self._state()
-        if _look(counters, moments) is None:
-            return
-        hosts = self.optimizer.param_groups[0]["params"]
-        tensors = [value for values in moments for value in values]
-        if len(set(map(id, tensors))) != len(tensors):
+        if _look(counters, moments) is None or not self._movable(moments):
             return
         for values in moments:
-            if not all(_fits(value, host) for value, host in zip(values, hosts)):
-                return
             if self._in_one_block(values):
                 continue
             block = torch.empty(self._nbytes, dtype=torch.uint8)
