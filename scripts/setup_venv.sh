@@ -27,6 +27,19 @@ fork_pip() {
     python -m pip --quiet "$@"
 }
 
+# Installs from the package index, trying again without pip's cache where a download failed: a
+# dropped connection or a truncated wheel (pip reports it as a hash mismatch) must not fail CI.
+fork_pip_install() {
+    fork_pip install "$@" && return 0
+    local attempt
+    for attempt in 2 3; do
+        echo "setup_venv: pip install failed; attempt $attempt of 3, without the cache" >&2
+        sleep $((attempt * 10))
+        fork_pip install --no-cache-dir "$@" && return 0
+    done
+    return 1
+}
+
 _fork_python_is_312() {
     "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null
 }
@@ -75,7 +88,7 @@ _fork_install_torch() {
     fi
     echo "setup_venv: installing torch${FORK_TORCH_VERSION:+==$FORK_TORCH_VERSION}" \
         "(several GB, a few minutes)" >&2
-    fork_pip install "torch${FORK_TORCH_VERSION:+==$FORK_TORCH_VERSION}" || return 1
+    fork_pip_install "torch${FORK_TORCH_VERSION:+==$FORK_TORCH_VERSION}" || return 1
 }
 
 _fork_install_dependencies() {
@@ -85,7 +98,7 @@ _fork_install_dependencies() {
         return 0
     fi
     echo "setup_venv: installing the project with its test and dev extras" >&2
-    fork_pip install "$FORK_REPO_ROOT[test,dev]" || return 1
+    fork_pip_install "$FORK_REPO_ROOT[test,dev]" || return 1
     echo "$digest" >"$stamp"
 }
 
