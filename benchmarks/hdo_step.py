@@ -23,6 +23,9 @@ shard; ``adam flat s`` is the same AdamW over the same elements as flat 16 MiB b
 tensor per fork HDO bucket), shown beside the limits as the headroom a step over whole
 buckets would have, not used in them. Only ``step()`` is timed; what the benchmark itself
 does between steps (handing out gradients) is timed apart and reported as ``outside s``.
+Step times differ more between processes than between the steps of one (up to a fifth on the
+H200 host, for the same code), so ``--rounds`` starts several processes per implementation
+in turn and reports the median over them.
 
 Without CUDA there is nothing to offload to: the figures are then host-only and labelled so.
 """
@@ -342,7 +345,15 @@ def parse_args(argv=None):
     parser.add_argument(
         "--fractions", type=float, nargs="+", default=[0.5, 1.0], help="offload fractions"
     )
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per row")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per process")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="processes per implementation, started in turn (upstream, fork, ..., then again, "
+        "each round in a rotated order): a row's step is the median over its processes, as "
+        "step times differ more between processes than between one process's steps",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     parser.add_argument(
         "--overlap",
@@ -377,6 +388,7 @@ COLUMNS = [
     ("implementation", 16, lambda r: r["implementation"]),
     ("step s", 7, lambda r: f"{r['step_s']:.3f}"),
     ("min-max s", 11, lambda r: f"{r['step_min_s']:.3f}-{r['step_max_s']:.3f}"),
+    ("per process s", 13, lambda r: "/".join(f"{s:.3f}" for s in r["step_per_process_s"])),
     ("floor s", 7, lambda r: f"{r['floor_s']:.3f}"),
     ("limit s", 7, lambda r: f"{r['limit_s']:.3f}"),
     ("/floor", 6, lambda r: f"{r['ratio']:.2f}"),
@@ -395,6 +407,29 @@ COLUMNS = [
 ]
 
 
+def combined(rounds):
+    """One implementation's figures over its processes: the median of their median steps,
+    the extremes of all their steps, the most pinned memory any held, the median breakdown."""
+    steps = [result["step"] for result in rounds]
+    result = {
+        **rounds[0],
+        "step": statistics.median(steps),
+        "step_min": min(result["step_min"] for result in rounds),
+        "step_max": max(result["step_max"] for result in rounds),
+        "step_per_process": steps,
+        "outside": statistics.median(result["outside"] for result in rounds),
+        "worker_s": sum(result["worker_s"] for result in rounds),
+    }
+    for key in ("pinned_held", "pinned_live"):
+        result[key] = max(result[key] for result in rounds)
+    if rounds[0].get("breakdown_ms"):
+        result["breakdown_ms"] = {
+            part: statistics.median(r["breakdown_ms"].get(part, 0.0) for r in rounds)
+            for part in rounds[0]["breakdown_ms"]
+        }
+    return result
+
+
 def row_of(case, fraction, overlap, name, result, floor, exact):
     """One table row: the step against both bounds, pinned memory, the benchmark's own time."""
     serial = floor["adam"] + floor["d2h"] + floor["h2d"]
@@ -408,6 +443,7 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "step_s": result["step"],
         "step_min_s": result["step_min"],
         "step_max_s": result["step_max"],
+        "step_per_process_s": result["step_per_process"],
         "outside_s": result["outside"],
         "worker_s": result.get("worker_s", 0.0),
         "breakdown_ms": result.get("breakdown_ms", {}),
@@ -458,12 +494,17 @@ def main():
             floor = measure_floor(args, device, fraction)
             floor["measured_in_s"] = time.perf_counter() - started
             for overlap in overlaps:
-                results = {}
-                for name in implementations:
-                    started = time.perf_counter()
-                    results[name] = run_worker(args, name, fraction, overlap)
-                    results[name]["worker_s"] = time.perf_counter() - started
-                exact = len({result["digest"] for result in results.values()}) == 1
+                processes = {name: [] for name in implementations}
+                for round_ in range(args.rounds):
+                    turn = round_ % len(implementations)
+                    for name in implementations[turn:] + implementations[:turn]:
+                        started = time.perf_counter()
+                        result = run_worker(args, name, fraction, overlap)
+                        result["worker_s"] = time.perf_counter() - started
+                        processes[name].append(result)
+                digests = {result["digest"] for rounds in processes.values() for result in rounds}
+                exact = len(digests) == 1
+                results = {name: combined(rounds) for name, rounds in processes.items()}
                 for name, result in results.items():
                     rows.append(row_of(case, fraction, overlap, name, result, floor, exact))
                     # Each row as soon as it is known, so a run cut short keeps what it has.
@@ -483,8 +524,9 @@ def main():
         "AdamW over the same elements as flat 16 MiB blocks (one tensor per HDO bucket; not in "
         "the limits); contended = the "
         "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); step = "
-        "median of step() alone (min-max over the repeats); outside = the benchmark's own work "
-        "per step (handing out gradients), not in step; run = the row's process, start to end "
+        "median of step() alone (the median over --rounds processes; min-max over all their "
+        "steps); per process = each process's median step; outside = the benchmark's own work "
+        "per step (handing out gradients), not in step; run = the row's processes, start to end "
         "(the floor's own time is floor.measured_in_s in the JSON); pinned = pinned host memory "
         "the process holds after the timed steps (one process per row, allocator cache "
         "included); live = pinned storage its tensors use; equal = identical parameters "
