@@ -443,7 +443,7 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "step_s": result["step"],
         "step_min_s": result["step_min"],
         "step_max_s": result["step_max"],
-        "step_per_process_s": result["step_per_process"],
+        "step_per_process_s": result.get("step_per_process", [result["step"]]),
         "outside_s": result["outside"],
         "worker_s": result.get("worker_s", 0.0),
         "breakdown_ms": result.get("breakdown_ms", {}),
