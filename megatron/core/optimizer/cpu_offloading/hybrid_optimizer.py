@@ -45,6 +45,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_host_thread import HostStepThread
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
     ParamState,
@@ -160,6 +161,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # Step each packed host bucket of torch's fused Adam/AdamW in one kernel call over its
     # blocks (see hybrid_optimizer_flat_step); False steps copy by copy, as a reference.
     flat_host_steps = True
+    # Step the host buckets on a worker thread while this one queues the copies (see
+    # hybrid_optimizer_host_thread); off until measured to pay on the GPU host.
+    threaded_host_steps = False
 
     def __init__(
         self,
@@ -193,6 +197,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Placement and sub-optimizers are built on first use (see __getattr__), so a wrapper
         # that regroups the parameters first never allocates for the groups it replaces.
         self._d2h_stream, self._h2d_stream = self._make_streams()
+        self._host_thread = HostStepThread()
         # D2H event of each host sub-optimizer whose gradients are on their way (in a step).
         self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
         self._state_changes = StateChanges()
@@ -608,19 +613,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # that is when the download of the bucket that reuses the slot is queued.
         for index in self._ring_plan.first_downloads:
             self._download(index)
-        if self.gpu_optimizer is not None:
-            self.gpu_optimizer.step()
-        for bucket in self._buckets:
-            event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
-            if event is not None:
-                event.synchronize()
-            if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
-                bucket.optimizer.step()
-                if bucket.flat is not None:
-                    bucket.flat.lay_out()  # so that the next step can be flat
-            if bucket.follower is not None:
-                self._download(bucket.follower)
-            self._upload(bucket, staged_in_slot=bucket.follower is None)
+        if self.threaded_host_steps and len(self._buckets) > 1:
+            buckets = self._buckets
+            followers = {bucket.follower for bucket in buckets}
+            self._host_thread.run(
+                len(buckets),
+                [index for index in range(len(buckets)) if index not in followers],
+                lambda index: self._step_host_bucket(buckets[index]),
+                lambda index: self._after_host_step(buckets[index]),
+                self._step_in_place,
+            )
+        else:
+            self._step_in_place()
+            for bucket in self._buckets:
+                self._step_host_bucket(bucket)
+                self._after_host_step(bucket)
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
@@ -636,6 +643,32 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
+
+    def _step_in_place(self):
+        """The in-place sub-optimizer's step, if there is one."""
+        if self.gpu_optimizer is not None:
+            self.gpu_optimizer.step()
+
+    def _step_host_bucket(self, bucket: _Bucket):
+        """Step one host bucket once its gradients have landed: flat where it can be."""
+        event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
+        if event is not None:
+            event.synchronize()
+        if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
+            bucket.optimizer.step()
+            if bucket.flat is not None:
+                bucket.flat.lay_out()  # so that the next step can be flat
+
+    def _after_host_step(self, bucket: _Bucket) -> Optional[int]:
+        """Queue the download that reuses the stepped bucket's slot, then its upload.
+
+        Returns:
+            The bucket whose download was queued, if any.
+        """
+        if bucket.follower is not None:
+            self._download(bucket.follower)
+        self._upload(bucket, staged_in_slot=bucket.follower is None)
+        return bucket.follower
 
     def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
         """Give the inner tensors stepped in place their gradients for this step.
