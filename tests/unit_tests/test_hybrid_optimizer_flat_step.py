@@ -156,19 +156,67 @@ def test_a_loaded_state_dict_is_stepped_as_saved(monkeypatch):
     assert_moments_in_blocks(resumed)
 
 
-def test_counters_that_differ_step_copy_by_copy(monkeypatch):
-    """Copies whose counters differ (a client reset one) cannot share a step: each copy then
-    gets its own bias correction, as stepped copy by copy."""
+# Ways a client writes a counter: in place, and two that leave the tensor's version as it was
+# (as a collective such as a broadcast of rank 0's state does).
+COUNTER_WRITES = {
+    "in place": lambda counter: counter.fill_(1.0),
+    "through .data": lambda counter: counter.data.fill_(1.0),
+    ".data assigned": lambda counter: setattr(counter, "data", torch.ones((), dtype=counter.dtype)),
+}
+
+
+@pytest.mark.parametrize("write", sorted(COUNTER_WRITES))
+def test_counters_that_differ_step_copy_by_copy(write, monkeypatch):
+    """Copies whose counters differ (a client reset one, however) cannot share a step: each
+    copy then gets its own bias correction, as stepped copy by copy."""
 
     def reset_one(optimizer):
-        first = next(iter(optimizer.state))
-        optimizer.state[first]["step"].fill_(1.0)
+        for param in list(optimizer.state)[1:4]:  # inside runs, not only at their start
+            COUNTER_WRITES[write](optimizer.state[param]["step"])
 
     params, optimizer = make(BUCKET_BYTES, monkeypatch)
     train(params, optimizer, 3, seed=4, between=reset_one)
     reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
     train(reference_params, reference, 3, seed=4, between=reset_one)
     assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_moments_that_share_memory_keep_sharing_it(monkeypatch):
+    """Two entries holding views of the same memory (a client tied them) stay tied, stepped
+    as the sub-optimizer steps them: the flat step does not lay them out apart."""
+
+    def tie(params):
+        def tie_once(optimizer):
+            entries = [optimizer.state[p] for p in params]
+            if not tied:
+                entries[4]["exp_avg"] = entries[3]["exp_avg"].view(-1)
+                tied.append(True)
+
+        tied = []
+        return tie_once
+
+    sizes = SIZES[:3] + [64, 64, 64] + SIZES[3:]  # in the second group, in one run
+    params, optimizer = make(BUCKET_BYTES, monkeypatch, sizes=sizes)
+    train(params, optimizer, 4, seed=5, between=tie(params))
+    entries = [optimizer.state[p] for p in params]
+    assert entries[3]["exp_avg"].data_ptr() == entries[4]["exp_avg"].data_ptr()
+    reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False, sizes=sizes)
+    train(reference_params, reference, 4, seed=5, between=tie(reference_params))
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_a_group_the_sub_optimizer_refuses_is_refused_alike(monkeypatch):
+    """``foreach`` beside ``fused`` with a tensor learning rate: torch's own step raises, so
+    the flat step must not go ahead in its place."""
+    params, optimizer = make(BUCKET_BYTES, monkeypatch, sizes=[16, 32, 48, 64] * 4)
+    train(params, optimizer, 2, seed=1)
+    assert all(bucket.flat is not None for bucket in optimizer._buckets)
+    for sub in optimizer.cpu_optimizers:
+        sub.param_groups[0]["foreach"] = True
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(group["lr"])
+    with pytest.raises(RuntimeError, match="foreach"):
+        train(params, optimizer, 1, seed=2)
 
 
 def test_held_moments_stay_the_state_that_is_stepped(monkeypatch):

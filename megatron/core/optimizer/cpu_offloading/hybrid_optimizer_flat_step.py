@@ -14,12 +14,15 @@ differently (fused multiply-add), so a run only continues past a copy that fills
 64-byte lines: a copy of another size ends its run, and its partial vector stays last.
 
 The moments stay the entries' own tensors, so what clients read, hold or assign is the state.
-Where they are not laid out (the first step creates them one by one; a load, ``dummy_step`` or
-a client may put other tensors there), :meth:`FlatAdamStep.lay_out` copies them into a block
-and re-points each tensor there with ``.data``; the entries' tensors are the blocks' only
-owners. Whatever the kernel's single call cannot reproduce (a copy without a gradient,
-counters that differ, step hooks, amsgrad, a learning rate on an accelerator, another class
-than torch's own Adam or AdamW) is left to the sub-optimizer's own step.
+Where they are not laid out (a first step that falls back creates them one by one; a load,
+``dummy_step`` or a client may put other tensors there), :meth:`FlatAdamStep.lay_out` copies
+them into a block and re-points each tensor there with ``.data``; the entries' tensors are the
+blocks' only owners. What re-pointing cannot carry along: a view a client took of a moment
+before it was laid out still shows the old memory, and one moment saved or deep-copied alone
+takes its whole block along (a whole state dict takes each block once). Whatever the kernel's
+single call cannot reproduce (a copy without a gradient, counters that differ, moments that
+share memory, step hooks, amsgrad, ``foreach``, a learning rate on an accelerator, another
+class than torch's own Adam or AdamW) is left to the sub-optimizer's own step.
 """
 
 import operator
@@ -35,9 +38,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import _type
 _LINE_BYTES = 64
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-
-# A tensor's version counter, which every in-place write bumps.
-_VERSION = operator.attrgetter("_version")
 
 
 def flat_runs(layout: List[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
@@ -120,8 +120,13 @@ class FlatAdamStep:
         counters, moments = self._state()
         if not any(self.entries):
             counters, moments = self._create_state()
-        seen = _look(counters, moments)
-        if seen is None or (seen != self._seen and not self._laid_out(counters, moments)):
+        # Counters are checked on every step: a write through ``.data`` or a collective leaves
+        # no trace on the tensor, and one counter serves its whole run.
+        seen = _look(moments)
+        if seen is None or not _counters_agree(counters):
+            self._seen = None
+            return False
+        if seen != self._seen and not self._laid_out(moments):
             self._seen = None
             return False
         torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
@@ -134,8 +139,7 @@ class FlatAdamStep:
             [counters[first] for first, _, _ in self._runs],
             **settings,
         )
-        # The add bumped each counter's version once; nothing else changed.
-        self._seen = (seen[0], tuple(version + 1 for version in seen[1]), seen[2])
+        self._seen = seen
         return True
 
     @staticmethod
@@ -144,6 +148,8 @@ class FlatAdamStep:
         one call: not fused, amsgrad, a learning rate on an accelerator, tensor betas."""
         decoupled = group.get("decoupled_weight_decay")
         if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
+            return None
+        if group.get("foreach"):  # torch refuses it beside fused (or a tensor lr): let it say so
             return None
         if decoupled is None or group.get("capturable"):
             return None
@@ -193,31 +199,24 @@ class FlatAdamStep:
 
     # ------------------------------------------------------------------ layout
 
-    def _laid_out(self, counters, moments) -> bool:
-        """Whether the state can be stepped flat as it is: one distinct host counter per copy,
-        all equal, and each moment key's tensors laid out like the copies in one storage."""
-        if not all(
-            isinstance(c, torch.Tensor) and c.dim() == 0 and c.device.type == "cpu"
-            for c in counters
-        ):
-            return False
-        if len({c.dtype for c in counters}) != 1:
-            return False
-        if len(set(map(id, counters))) != len(counters) or not self._movable(moments):
-            return False
-        if not all(self._in_one_block(values) for values in moments):
-            return False
-        stacked = torch.stack(counters)
-        return bool((stacked == stacked[0]).all())
+    def _laid_out(self, moments) -> bool:
+        """Whether the moments can be stepped flat as they are: each key's tensors laid out
+        like the copies in one storage."""
+        return self._movable(moments) and all(self._in_one_block(values) for values in moments)
 
     def _movable(self, moments) -> bool:
-        """Whether every moment is a dense host tensor of its copy's dtype and size, and no
-        tensor is held by two entries (it would be stepped once per entry)."""
+        """Whether every moment is a dense host tensor of its copy's dtype and size, and no two
+        share memory (the sub-optimizer would step shared memory once per entry, and laying
+        them out would part them)."""
         hosts = self.optimizer.param_groups[0]["params"]
-        tensors = [value for values in moments for value in values]
-        if len(set(map(id, tensors))) != len(tensors):
+        if not all(_fits(value, host) for values in moments for value, host in zip(values, hosts)):
             return False
-        return all(_fits(value, host) for values in moments for value, host in zip(values, hosts))
+        spans = sorted(
+            (value.data_ptr(), value.data_ptr() + value.nbytes)
+            for values in moments
+            for value in values
+        )
+        return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
     def _in_one_block(self, values: List[torch.Tensor]) -> bool:
         """Whether ``values`` lie in one storage at the copies' offsets."""
@@ -235,7 +234,7 @@ class FlatAdamStep:
         """Move moments that are not laid out into a new block each, where the state is one
         the flat step could take (after the sub-optimizer's own step, a load, a client)."""
         counters, moments = self._state()
-        if _look(counters, moments) is None or not self._movable(moments):
+        if _look(moments) is None or not _counters_agree(counters) or not self._movable(moments):
             return
         for values in moments:
             if self._in_one_block(values):
@@ -261,19 +260,30 @@ def _fits(value, host: torch.Tensor) -> bool:
     )
 
 
-def _look(counters, moments) -> Optional[tuple]:
-    """What tells the next step that nothing changed since this one: which counters the
-    entries hold and their versions (an in-place write bumps one), where each moment's memory
-    is (a ``.data`` swap moves it). Numbers only, so it keeps no tensor alive; None where a
-    value is missing or no tensor."""
+def _look(moments) -> Optional[tuple]:
+    """What tells the next step that the moments' layout is as this one left it: which tensors
+    the entries hold and where their memory is (a ``.data`` swap moves it). Numbers only, so it
+    keeps no tensor alive; None where a moment is missing or no tensor."""
     try:
         return (
-            tuple(map(id, counters)),
-            tuple(map(_VERSION, counters)),
+            tuple(id(value) for values in moments for value in values),
             tuple(tuple(map(torch.Tensor.data_ptr, values)) for values in moments),
         )
-    except (AttributeError, TypeError):
+    except TypeError:
         return None
+
+
+def _counters_agree(counters) -> bool:
+    """Whether the copies have distinct host counters of one dtype, all equal: the kernel
+    counts each run with its first copy's counter and adds one to every counter once."""
+    if not all(
+        isinstance(c, torch.Tensor) and c.dim() == 0 and c.device.type == "cpu" for c in counters
+    ):
+        return False
+    if len({c.dtype for c in counters}) != 1 or len(set(map(id, counters))) != len(counters):
+        return False
+    stacked = torch.stack(counters)
+    return bool((stacked == stacked[0]).all())
 
 
 def _scaled(optimizer: torch.optim.Optimizer) -> bool:
