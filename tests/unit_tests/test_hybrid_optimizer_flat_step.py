@@ -66,9 +66,9 @@ def flat_buckets(optimizer):
 
 
 def assert_moments_in_blocks(optimizer):
-    """Every moment of a bucket stepped flat is a view into that moment's one block."""
+    """Every counter and moment of a bucket stepped flat is a view into that key's one block."""
     for bucket in flat_buckets(optimizer):
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
             storages = {optimizer.state[p][key].untyped_storage().data_ptr() for p in bucket.params}
             assert len(storages) == 1, key
 
@@ -178,6 +178,29 @@ def test_counters_that_differ_step_copy_by_copy(write, monkeypatch):
     train(params, optimizer, 3, seed=4, between=reset_one)
     reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
     train(reference_params, reference, 3, seed=4, between=reset_one)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_counters_a_client_assigns_are_stepped_and_laid_out_again(monkeypatch):
+    """New counter tensors (here a restart of some copies' bias correction) are what the next
+    step counts with; once they agree again they are gathered into one vector."""
+
+    def assign(optimizer):
+        for param in list(optimizer.state)[2:5]:
+            optimizer.state[param]["step"] = torch.tensor(1.0)
+
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 3, seed=2, between=assign)
+    reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
+    train(reference_params, reference, 3, seed=2, between=assign)
+    assert_same((params, optimizer), (reference_params, reference))
+    for entry in optimizer.state.values():
+        entry["step"] = torch.tensor(4.0)
+    train(params, optimizer, 2, seed=3)
+    assert_moments_in_blocks(optimizer)
+    for entry in reference.state.values():
+        entry["step"] = torch.tensor(4.0)
+    train(reference_params, reference, 2, seed=3)
     assert_same((params, optimizer), (reference_params, reference))
 
 

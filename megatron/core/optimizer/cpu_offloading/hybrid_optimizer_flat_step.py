@@ -13,7 +13,9 @@ over each tensor and a scalar loop over its last partial vector, and the two may
 differently (fused multiply-add), so a run only continues past a copy that fills whole
 64-byte lines: a copy of another size ends its run, and its partial vector stays last.
 
-The moments stay the entries' own tensors, so what clients read, hold or assign is the state.
+The step counters are one vector per bucket, so that one add counts the step and one compare
+finds a counter that went its own way (which its run could not share). Counters and moments
+stay the entries' own tensors, so what clients read, hold or assign is the state.
 Where they are not laid out (a first step that falls back creates them one by one; a load,
 ``dummy_step`` or a client may put other tensors there), :meth:`FlatAdamStep.lay_out` copies
 them into a block and re-points each tensor there with ``.data``; the entries' tensors are the
@@ -120,16 +122,17 @@ class FlatAdamStep:
         counters, moments = self._state()
         if not any(self.entries):
             counters, moments = self._create_state()
-        # Counters are checked on every step: a write through ``.data`` or a collective leaves
-        # no trace on the tensor, and one counter serves its whole run.
-        seen = _look(moments)
-        if seen is None or not _counters_agree(counters):
+        seen = _look(counters, moments)
+        if seen is None or (seen != self._seen and not self._laid_out(counters, moments)):
             self._seen = None
             return False
-        if seen != self._seen and not self._laid_out(moments):
+        # One counter serves its whole run, so all must agree. Their values are read on every
+        # step: a write through ``.data`` or a collective leaves no trace on the tensors.
+        steps = counters[0].as_strided((len(counters),), (1,))
+        if not bool((steps == steps[0]).all()):
             self._seen = None
             return False
-        torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
+        steps.add_(1)
         kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
         kernel(  # pylint: disable=protected-access
             self._params,
@@ -179,11 +182,13 @@ class FlatAdamStep:
 
     def _create_state(self):
         """Give every copy the state torch's fused Adam creates on its first step (a zero
-        host counter in fp32, zero moments), its moments laid out in one block per key."""
+        host counter in fp32, zero moments), laid out: the counters in one vector, the
+        moments in one block per key."""
         hosts = self.optimizer.param_groups[0]["params"]
+        steps = torch.zeros(len(self.entries), dtype=torch.float32)
         blocks = [torch.zeros(self._nbytes, dtype=torch.uint8) for _ in _MOMENTS]
-        for entry, host, offset in zip(self.entries, hosts, self._offsets):
-            entry["step"] = torch.zeros((), dtype=torch.float32)
+        for index, (entry, host, offset) in enumerate(zip(self.entries, hosts, self._offsets)):
+            entry["step"] = steps[index]
             for key, block in zip(_MOMENTS, blocks):
                 entry[key] = _typed_view(block, offset, host)
         return self._state()
@@ -199,10 +204,14 @@ class FlatAdamStep:
 
     # ------------------------------------------------------------------ layout
 
-    def _laid_out(self, moments) -> bool:
-        """Whether the moments can be stepped flat as they are: each key's tensors laid out
-        like the copies in one storage."""
-        return self._movable(moments) and all(self._in_one_block(values) for values in moments)
+    def _laid_out(self, counters, moments) -> bool:
+        """Whether the state can be stepped flat as it is: the counters one vector in the
+        copies' order, each moment key's tensors laid out like the copies in one storage."""
+        if not _movable_counters(counters) or not self._movable(moments):
+            return False
+        if not _in_one_block(counters, *_counter_layout(counters)):
+            return False
+        return all(_in_one_block(values, self._offsets, self._nbytes) for values in moments)
 
     def _movable(self, moments) -> bool:
         """Whether every moment is a dense host tensor of its copy's dtype and size, and no two
@@ -218,32 +227,23 @@ class FlatAdamStep:
         )
         return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
-    def _in_one_block(self, values: List[torch.Tensor]) -> bool:
-        """Whether ``values`` lie in one storage at the copies' offsets."""
-        storage = values[0].untyped_storage()
-        base = storage.data_ptr()
-        if values[0].data_ptr() - base != self._offsets[0] or storage.nbytes() < self._nbytes:
-            return False
-        return all(
-            value.untyped_storage().data_ptr() == base and value.data_ptr() - base == offset
-            for value, offset in zip(values, self._offsets)
-        )
-
     @torch.no_grad()
     def lay_out(self):
-        """Move moments that are not laid out into a new block each, where the state is one
-        the flat step could take (after the sub-optimizer's own step, a load, a client)."""
+        """Move counters and moments that are not laid out into a new vector or block each,
+        where the state is one the flat step could take (after the sub-optimizer's own step,
+        a load, a client)."""
         counters, moments = self._state()
-        if _look(moments) is None or not _counters_agree(counters) or not self._movable(moments):
+        if _look(counters, moments) is None:
             return
-        for values in moments:
-            if self._in_one_block(values):
+        if not _movable_counters(counters) or not self._movable(moments):
+            return
+        layouts = [(counters, *_counter_layout(counters))]
+        layouts += [(values, self._offsets, self._nbytes) for values in moments]
+        for values, offsets, nbytes in layouts:
+            if _in_one_block(values, offsets, nbytes):
                 continue
-            block = torch.empty(self._nbytes, dtype=torch.uint8)
-            views = [
-                _typed_view(block, offset, value) for value, offset in zip(values, self._offsets)
-            ]
-            # Every value is read before any is re-pointed: two of them may share memory.
+            block = torch.empty(nbytes, dtype=torch.uint8)
+            views = [_typed_view(block, offset, value) for value, offset in zip(values, offsets)]
             torch._foreach_copy_(views, values)  # pylint: disable=protected-access
             for value, view in zip(values, views):
                 value.data = view
@@ -260,30 +260,44 @@ def _fits(value, host: torch.Tensor) -> bool:
     )
 
 
-def _look(moments) -> Optional[tuple]:
-    """What tells the next step that the moments' layout is as this one left it: which tensors
-    the entries hold and where their memory is (a ``.data`` swap moves it). Numbers only, so it
-    keeps no tensor alive; None where a moment is missing or no tensor."""
+def _look(counters, moments) -> Optional[tuple]:
+    """What tells the next step that the layout is as this one left it: which tensors the
+    entries hold and where their memory is (a ``.data`` swap moves it). Numbers only, so it
+    keeps no tensor alive; None where a value is missing or no tensor."""
+    tensors = counters + [value for values in moments for value in values]
     try:
-        return (
-            tuple(id(value) for values in moments for value in values),
-            tuple(tuple(map(torch.Tensor.data_ptr, values)) for values in moments),
-        )
+        return tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
     except TypeError:
         return None
 
 
-def _counters_agree(counters) -> bool:
-    """Whether the copies have distinct host counters of one dtype, all equal: the kernel
-    counts each run with its first copy's counter and adds one to every counter once."""
+def _movable_counters(counters) -> bool:
+    """Whether the counters are host scalars of one floating dtype, each its own memory."""
     if not all(
         isinstance(c, torch.Tensor) and c.dim() == 0 and c.device.type == "cpu" for c in counters
     ):
         return False
-    if len({c.dtype for c in counters}) != 1 or len(set(map(id, counters))) != len(counters):
+    if len({c.dtype for c in counters}) != 1 or not counters[0].is_floating_point():
         return False
-    stacked = torch.stack(counters)
-    return bool((stacked == stacked[0]).all())
+    return len(set(map(torch.Tensor.data_ptr, counters))) == len(counters)
+
+
+def _counter_layout(counters) -> Tuple[List[int], int]:
+    """Byte offsets of the counters in one vector, in the copies' order, and its bytes."""
+    size = counters[0].element_size()
+    return [index * size for index in range(len(counters))], len(counters) * size
+
+
+def _in_one_block(values: List[torch.Tensor], offsets: List[int], nbytes: int) -> bool:
+    """Whether ``values`` lie in one storage of at least ``nbytes`` at ``offsets``."""
+    storage = values[0].untyped_storage()
+    base = storage.data_ptr()
+    if values[0].data_ptr() - base != offsets[0] or storage.nbytes() < nbytes:
+        return False
+    return all(
+        value.untyped_storage().data_ptr() == base and value.data_ptr() - base == offset
+        for value, offset in zip(values, offsets)
+    )
 
 
 def _scaled(optimizer: torch.optim.Optimizer) -> bool:
