@@ -94,3 +94,21 @@ def test_the_host_thread_benchmark_steps_every_bucket_on_the_worker_as_on_the_ca
             assert torch.equal(a, b) and not torch.equal(a, torch.zeros_like(a))
     times = threads.main(["--buckets", "2", "--bucket-numel", "256", "--repeats", "2"])
     assert len(times) == 5 and all(len(s) == 2 and min(s) > 0 for s in times.values())
+
+
+def test_the_flat_step_benchmark_times_both_ways_over_the_same_buckets_and_values():
+    """Its two rows step the same buckets: flat ones that never fall back, and per-copy ones
+    that give the same values."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        pytest.skip("the flat step is the fork's")
+    flat_step = load_tool("../benchmarks/flat_step.py", "flat_step_benchmark")
+    flat, per_copy = (flat_step.build(40, 48, flat) for flat in (True, False))
+    for optimizer, stepped_flat in ((flat, True), (per_copy, False)):
+        assert flat_step.timed_ms(flat_step.host_steps(optimizer, stepped_flat), 2)[0] > 0
+    assert len(flat._buckets) == len(per_copy._buckets)
+    for a, b in zip(flat.param_groups[0]["params"], per_copy.param_groups[0]["params"]):
+        host_a, host_b = (opt.param_to_inner_param[p] for opt, p in ((flat, a), (per_copy, b)))
+        assert torch.equal(host_a, host_b)
