@@ -160,3 +160,35 @@ def test_an_error_on_the_callers_side_stops_the_worker_before_it_steps_on(monkey
     # The worker had stopped when the error reached the caller: nothing is stepped later.
     optimizer._host_thread._executor.submit(lambda: None).result()
     assert [index for what, index, _ in events if what == "step"] == steps
+
+
+def test_an_error_in_the_in_place_step_steps_no_host_bucket(monkeypatch):
+    """A step that fails before any upload must leave nothing half-stepped: retried, it then
+    gives what one step gives on the caller's thread."""
+    params, optimizer = make(monkeypatch, 0.5, threaded=True)
+    reference_params, reference = make(monkeypatch, 0.5, threaded=False)
+    for pair in ((params, optimizer), (reference_params, reference)):
+        train(*pair, 1, seed=1)
+    events = []
+    record(monkeypatch, optimizer, events)
+    in_place = optimizer.gpu_optimizer.step
+    host_step = optimizer._step_host_bucket
+    host_stepped = threading.Event()
+
+    def noted_host_step(bucket):
+        host_stepped.set()
+        host_step(bucket)
+
+    def fails():
+        host_stepped.wait(timeout=1.0)  # a worker already running would step meanwhile
+        raise RuntimeError("in place")
+
+    monkeypatch.setattr(optimizer, "_step_host_bucket", noted_host_step)
+    monkeypatch.setattr(optimizer.gpu_optimizer, "step", fails)
+    with pytest.raises(RuntimeError, match="in place"):
+        train(params, optimizer, 1, seed=2)
+    assert not [event for event in events if event[0] == "step"]
+    monkeypatch.setattr(optimizer.gpu_optimizer, "step", in_place)
+    train(params, optimizer, 1, seed=2)
+    train(reference_params, reference, 1, seed=2)
+    assert_same((params, optimizer), (reference_params, reference))

@@ -613,6 +613,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # that is when the download of the bucket that reuses the slot is queued.
         for index in self._ring_plan.first_downloads:
             self._download(index)
+        # The in-place step comes first: if it raises, no host bucket has been stepped.
+        self._step_in_place()
         if self.threaded_host_steps and len(self._buckets) > 1:
             buckets = self._buckets
             followers = {bucket.follower for bucket in buckets}
@@ -621,10 +623,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 [index for index in range(len(buckets)) if index not in followers],
                 lambda index: self._step_host_bucket(buckets[index]),
                 lambda index: self._after_host_step(buckets[index]),
-                self._step_in_place,
             )
         else:
-            self._step_in_place()
             for bucket in self._buckets:
                 self._step_host_bucket(bucket)
                 self._after_host_step(bucket)

@@ -2,7 +2,7 @@
 """Host bucket steps on a worker thread, while the caller's thread queues the copies.
 
 Stepped on the caller's thread, the host buckets wait for everything else the caller does in a
-step: the in-place step's launches, and queueing each bucket's download and upload. A worker
+step: queueing each bucket's download and upload. A worker
 thread steps the buckets in order instead, each once its download is queued (and, where CUDA
 exists, has landed), and hands each one back to the caller, who queues its upload and the
 download that reuses its slot while the worker steps the next. Torch's kernels release the
@@ -31,7 +31,6 @@ class HostStepThread:
         queued: Iterable[int],
         step: Callable[[int], None],
         stepped: Callable[[int], Optional[int]],
-        meanwhile: Callable[[], None],
     ):
         """Step buckets ``0 .. count - 1`` in order on the worker.
 
@@ -41,10 +40,9 @@ class HostStepThread:
             step: steps bucket ``i``; runs on the worker.
             stepped: the caller's work once bucket ``i`` is stepped; returns the bucket whose
                 download it queued, if any, which the worker may then step.
-            meanwhile: what the caller does while the first buckets are stepped.
 
         Raises:
-            Whatever ``step``, ``stepped`` or ``meanwhile`` raised; the worker has stopped
+            Whatever ``step`` or ``stepped`` raised; the worker has stopped
             by then, so nothing is stepped after the error.
         """
         ready = [threading.Event() for _ in range(count)]
@@ -71,7 +69,6 @@ class HostStepThread:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="hdo-host-steps")
         future = self._executor.submit(work)
         try:
-            meanwhile()
             for _ in range(count):
                 index = done.get()
                 if index is None:
