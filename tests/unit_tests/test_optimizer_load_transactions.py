@@ -13,6 +13,7 @@ load show what a failure there leaves, and many load cycles must not grow memory
 import gc
 import io
 import math
+import threading
 
 import pytest
 import torch
@@ -225,6 +226,57 @@ def test_the_non_finite_scan_reads_each_device_and_dtype_back_once(monkeypatch):
     assert sorted(reads, key=str) == sorted(
         ((d, (sum(t.dtype == d for t in clean), 2)) for d in dtypes), key=str
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="kernels load lazily on CUDA only")
+def test_the_scan_s_kernel_is_first_launched_on_a_warm_up_thread(monkeypatch):
+    """A kernel's first launch in a process costs milliseconds of host time; the warm-up
+    pays it on a thread of its own, once per device and dtype, before the scan launches."""
+    monkeypatch.setattr(checks, "_scan_kernels_loaded", set())
+    launches = []
+    extremes_into = checks._extremes_into
+
+    def recorded(tensor, row):
+        launches.append((threading.current_thread().name, tensor.device, tensor.dtype))
+        extremes_into(tensor, row)
+
+    monkeypatch.setattr(checks, "_extremes_into", recorded)
+    tensors = [
+        torch.ones(5, dtype=torch.bfloat16, device="cuda"),
+        torch.ones(3, dtype=torch.float16, device="cuda"),
+        torch.arange(4, device="cuda"),
+        torch.ones(2),
+    ]
+    checks.warm_up_nonfinite_scan(tensors)
+    assert checks.nonfinite_suspects(tensors) == []
+    device = tensors[0].device
+    warmed = {(d, t) for name, d, t in launches if name == "nonfinite-scan-warm-up"}
+    assert warmed == {(device, torch.bfloat16), (device, torch.float16), (device, torch.float32)}
+    assert {name for name, _, _ in launches[: len(warmed)]} == {"nonfinite-scan-warm-up"}
+    assert len(launches) == len(warmed) + 3  # the scan's own launches, after the warm-up
+    launches.clear()
+    checks.warm_up_nonfinite_scan(tensors)  # loaded already: nothing to launch again
+    checks.nonfinite_suspects(tensors)
+    assert [name for name, _, _ in launches] == [threading.current_thread().name] * 3
+    monkeypatch.setattr(checks, "_scan_kernels_loaded", set())
+    monkeypatch.setenv(checks.NONFINITE_POLICY_ENV, "ignore")  # no scan, so no warm-up
+    checks.warm_up_nonfinite_scan(tensors)
+    assert not checks._scan_warm_up
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+def test_a_dist_checkpoint_request_starts_the_scan_s_warm_up_on_the_live_state(monkeypatch):
+    model, optimizer = core.build(core.fork)
+    core.train_step(optimizer, model, 0)
+    handed = []
+    monkeypatch.setattr(checks, "warm_up_nonfinite_scan", handed.append)
+    optimizer.sharded_state_dict({}, is_loading=True, metadata=core.DP_RESHARDABLE)
+    (tensors,) = handed
+    inner = optimizer.optimizer
+    params = [p for group in inner.param_groups for p in group["params"]]
+    assert {id(p) for p in params} <= {id(t) for t in tensors}
+    first_state = inner.state[inner.param_groups[0]["params"][0]]
+    assert {id(v) for v in first_state.values()} <= {id(t) for t in tensors}
 
 
 def test_float8_state_is_scanned_too():

@@ -227,6 +227,16 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         """
         self.inner_state.materialise()
 
+    def _loaded_state_tensors(self) -> List[Any]:
+        """The inner optimizer's parameters and the state of each group's first one: the
+        devices and dtypes a load's non-finite scan meets."""
+        tensors = []
+        for group in self.optimizer.param_groups:
+            tensors += group["params"]
+            if group["params"]:
+                tensors += self.optimizer.state.get(group["params"][0], {}).values()
+        return tensors
+
     def _param_name(self, param: torch.nn.Parameter) -> str:
         """The name of a model parameter, as the model chunks call it.
 
@@ -313,6 +323,7 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         if is_loading:
             # The load writes into the optimizer's own tensors, which must exist by then.
             self._init_optimizer_states_with_dummy_values()
+            checks.warm_up_nonfinite_scan(self._loaded_state_tensors())
             # The reader fills those tensors before load_state_dict can check anything: if
             # that load then refuses the checkpoint, the state is already partly its.
             self._load_request_outstanding = True

@@ -18,8 +18,9 @@ import contextlib
 import logging
 import math
 import os
+import threading
 from numbers import Number
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -30,6 +31,13 @@ NONFINITE_POLICIES = ("error", "warn", "ignore")
 
 # Elements per isfinite pass: bounds the temporary mask to 16 MiB whatever the tensor's size.
 _NONFINITE_CHUNK = 1 << 24
+
+# The accelerator devices and dtypes whose scan kernel has been launched in this process, and
+# the thread launching it for more, if one is running.
+_scan_kernels_loaded: Set[Tuple[torch.device, torch.dtype]] = set()
+_scan_warm_up: List[threading.Thread] = []
+# Enough elements for a reduction over many blocks, as the scanned tensors get (256 KiB of fp32).
+_WARM_UP_ELEMENTS = 1 << 16
 
 
 def step_value(value: Any, where: str) -> Any:
@@ -86,6 +94,53 @@ def count_nonfinite(tensor: torch.Tensor) -> int:
     return bad
 
 
+def warm_up_nonfinite_scan(tensors: Sequence[Any]) -> None:
+    """Launch the scan's kernel once for each accelerator device and floating dtype among
+    ``tensors``, on a background thread.
+
+    The first launch of a kernel in a process loads it, which costs milliseconds of host time
+    (CUDA loads kernels lazily). Started when a load asks for the tensors to read into, the
+    thread pays that while the checkpoint is read, instead of the load's second pass. It reduces
+    a one-element tensor of its own; the kinds of ``tensors`` (non-tensors are skipped) are
+    found on the thread, so that a long list costs the caller nothing.
+    """
+    if nonfinite_policy() == "ignore" or not torch.cuda.is_available():
+        return
+
+    def launch():
+        kinds = {
+            (value.device, value.dtype)
+            for value in tensors
+            if isinstance(value, torch.Tensor)
+            and value.is_floating_point()
+            and value.device.type == "cuda"
+        }
+        kinds |= {(device, torch.float32) for device, _ in kinds}  # unscaled state is fp32
+        for device, dtype in kinds - _scan_kernels_loaded:
+            try:
+                with torch.cuda.device(device):
+                    sample = torch.zeros(_WARM_UP_ELEMENTS, dtype=dtype, device=device)
+                    _extremes_into(sample, torch.empty((2,), dtype=dtype, device=device))
+            except (NotImplementedError, RuntimeError):  # no aminmax for it: the scan knows
+                pass
+            _scan_kernels_loaded.add((device, dtype))
+
+    thread = threading.Thread(target=launch, name="nonfinite-scan-warm-up", daemon=True)
+    _scan_warm_up.append(thread)
+    thread.start()
+
+
+def _extremes_into(tensor: torch.Tensor, row: torch.Tensor) -> None:
+    """Write the minimum and maximum of ``tensor`` into the two elements of ``row``."""
+    torch.aminmax(tensor.detach().reshape(-1), out=(row[0], row[1]))
+
+
+def _finish_scan_warm_up() -> None:
+    """Wait for the warm-up threads still running, so that the scan never races them."""
+    while _scan_warm_up:
+        _scan_warm_up.pop().join()
+
+
 def nonfinite_suspects(tensors: Sequence[torch.Tensor]) -> List[int]:
     """Indices of the floating-point ``tensors`` that may hold NaN or infinite values.
 
@@ -95,6 +150,7 @@ def nonfinite_suspects(tensors: Sequence[torch.Tensor]) -> List[int]:
     scan waits for each device once, and launches no kernel but ``aminmax`` (a kernel's first
     launch in a process costs milliseconds, which the load would pay for each test kernel).
     """
+    _finish_scan_warm_up()
     suspects, groups = [], {}
     for index, tensor in enumerate(tensors):
         if tensor.is_floating_point() and tensor.numel():
@@ -104,7 +160,7 @@ def nonfinite_suspects(tensors: Sequence[torch.Tensor]) -> List[int]:
         reduced = []
         for row, index in zip(extremes, indices):
             try:
-                torch.aminmax(tensors[index].detach().reshape(-1), out=(row[0], row[1]))
+                _extremes_into(tensors[index], row)
                 reduced.append(True)
             except (NotImplementedError, RuntimeError):  # dtypes without aminmax (float8)
                 reduced.append(False)
