@@ -192,3 +192,59 @@ def test_an_error_in_the_in_place_step_steps_no_host_bucket(monkeypatch):
     train(params, optimizer, 1, seed=2)
     train(reference_params, reference, 1, seed=2)
     assert_same((params, optimizer), (reference_params, reference))
+
+
+def _tiny_gradient_steps(params, optimizer, steps, seed):
+    """Gradients small enough that their squares are denormal floats."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for param in params:
+            grad = torch.randn(param.shape, generator=generator) * 1e-21
+            param.grad = grad.to(param.device, param.dtype)
+        optimizer.step()
+
+
+def test_the_worker_takes_the_callers_denormal_mode_at_each_step(monkeypatch):
+    """Flush-denormal is a per-thread setting; set after the worker exists, it must still
+    decide the host steps as it does on the caller's thread."""
+    pairs = [make(monkeypatch, 1.0, threaded=threaded) for threaded in (True, False)]
+    for pair in pairs:
+        _tiny_gradient_steps(*pair, 1, seed=1)  # the worker exists from here on
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for pair in pairs:
+            _tiny_gradient_steps(*pair, 2, seed=2)
+    finally:
+        torch.set_flush_denormal(False)
+    (params, optimizer), (reference_params, reference) = pairs
+    assert_same((params, optimizer), (reference_params, reference))
+    squares = [s["exp_avg_sq"] for s in reference.state.values() if "exp_avg_sq" in s]
+    assert any(bool((square == 0).any()) for square in squares)  # the flush mattered
+
+
+def test_the_worker_takes_the_callers_thread_count_and_device(monkeypatch):
+    params, optimizer = make(monkeypatch, 1.0, threaded=True)
+    train(params, optimizer, 1, seed=1)
+    seen, devices_set = [], []
+    host_step = optimizer._step_host_bucket
+
+    def noted(bucket):
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        host_step(bucket)
+
+    monkeypatch.setattr(optimizer, "_step_host_bucket", noted)
+    # The caller's current CUDA device, as a rank other than 0 has it (faked on any host).
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", devices_set.append)
+    threads = torch.get_num_threads()
+    wanted = 1 if threads > 1 else 2
+    torch.set_num_threads(wanted)
+    try:
+        train(params, optimizer, 1, seed=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and all(thread != threading.get_ident() for thread, _ in seen)
+    assert {count for _, count in seen} == {wanted}
+    assert devices_set and set(devices_set) == {3}

@@ -18,6 +18,27 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional
 
+import torch
+
+
+def _callers_settings() -> Callable[[], None]:
+    """What makes another thread compute as this one does: torch's thread count and denormal
+    mode are per thread (a client may change them between steps), and so is the current CUDA
+    device, which torch's optimizers query (device 0 on a new thread: a context there)."""
+    threads = torch.get_num_threads()
+    # torch has no getter for flush-denormal; a denormal float survives only with it off.
+    flush_denormal = torch.tensor(1e-40).item() == 0.0
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def apply():
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.set_flush_denormal(flush_denormal)
+        if device is not None:
+            torch.cuda.set_device(device)
+
+    return apply
+
 
 class HostStepThread:
     """One worker thread, started on first use and ended when this object is collected."""
@@ -50,10 +71,12 @@ class HostStepThread:
             ready[index].set()
         cancelled = threading.Event()
         done: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
+        as_the_caller = _callers_settings()
 
         def work():
             finished = 0
             try:
+                as_the_caller()
                 for index in range(count):
                     ready[index].wait()
                     if cancelled.is_set():
