@@ -66,12 +66,6 @@ def fork_per_copy_class():
     return type("HybridDeviceOptimizer", (fork_class(),), {"flat_host_steps": False})
 
 
-def fork_threaded_class():
-    """The fork's HybridDeviceOptimizer stepping its host buckets on a worker thread while the
-    caller queues the copies (``threaded_host_steps``), which ``--threaded`` times beside it."""
-    return type("HybridDeviceOptimizer", (fork_class(),), {"threaded_host_steps": True})
-
-
 def upstream_class():
     """megatron-core 0.19.2's HybridDeviceOptimizer from its own file."""
     return load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer").HybridDeviceOptimizer
@@ -289,7 +283,6 @@ IMPLEMENTATIONS = {
     "upstream 0.19.2": upstream_class,
     "fork": fork_class,
     "fork per-copy": fork_per_copy_class,
-    "fork threaded": fork_threaded_class,
 }
 
 
@@ -376,12 +369,6 @@ def parse_args(argv=None):
         action="store_true",
         help="also time the fork with its host buckets stepped copy by copy (flat_host_steps "
         "off), in the same run, as the reference its flat step is measured against",
-    )
-    parser.add_argument(
-        "--threaded",
-        action="store_true",
-        help="also time the fork with its host buckets stepped on a worker thread "
-        "(threaded_host_steps on), in the same run",
     )
     parser.add_argument(
         "--breakdown",
@@ -488,7 +475,6 @@ def main():
         f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}"
     )
     implementations = ["fork"] + ["fork per-copy"] * args.per_copy
-    implementations += ["fork threaded"] * args.threaded
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]

@@ -45,7 +45,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_host_thread import HostStepThread
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
     ParamState,
@@ -161,9 +160,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # Step each packed host bucket of torch's fused Adam/AdamW in one kernel call over its
     # blocks (see hybrid_optimizer_flat_step); False steps copy by copy, as a reference.
     flat_host_steps = True
-    # Step the host buckets on a worker thread while this one queues the copies (see
-    # hybrid_optimizer_host_thread); off until measured to pay on the GPU host.
-    threaded_host_steps = False
 
     def __init__(
         self,
@@ -197,7 +193,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Placement and sub-optimizers are built on first use (see __getattr__), so a wrapper
         # that regroups the parameters first never allocates for the groups it replaces.
         self._d2h_stream, self._h2d_stream = self._make_streams()
-        self._host_thread = HostStepThread()
         # D2H event of each host sub-optimizer whose gradients are on their way (in a step).
         self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
         self._state_changes = StateChanges()
@@ -613,21 +608,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # that is when the download of the bucket that reuses the slot is queued.
         for index in self._ring_plan.first_downloads:
             self._download(index)
-        # The in-place step comes first: if it raises, no host bucket has been stepped.
         self._step_in_place()
-        if self.threaded_host_steps and len(self._buckets) > 1:
-            buckets = self._buckets
-            followers = {bucket.follower for bucket in buckets}
-            self._host_thread.run(
-                len(buckets),
-                [index for index in range(len(buckets)) if index not in followers],
-                lambda index: self._step_host_bucket(buckets[index]),
-                lambda index: self._after_host_step(buckets[index]),
-            )
-        else:
-            for bucket in self._buckets:
-                self._step_host_bucket(bucket)
-                self._after_host_step(bucket)
+        for bucket in self._buckets:
+            self._step_host_bucket(bucket)
+            self._after_host_step(bucket)
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
@@ -659,16 +643,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if bucket.flat is not None:
                 bucket.flat.lay_out()  # so that the next step can be flat
 
-    def _after_host_step(self, bucket: _Bucket) -> Optional[int]:
-        """Queue the download that reuses the stepped bucket's slot, then its upload.
-
-        Returns:
-            The bucket whose download was queued, if any.
-        """
+    def _after_host_step(self, bucket: _Bucket) -> None:
+        """Queue the download that reuses the stepped bucket's slot, then its upload."""
         if bucket.follower is not None:
             self._download(bucket.follower)
         self._upload(bucket, staged_in_slot=bucket.follower is None)
-        return bucket.follower
 
     def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
         """Give the inner tensors stepped in place their gradients for this step.
