@@ -252,7 +252,11 @@ def build_parser():
         help="load jobs per implementation (each saves once), alternating which goes first; "
         "load time is the median",
     )
-    parser.add_argument("--out", help="write the figures (and each raw result) as JSON here")
+    parser.add_argument(
+        "--out",
+        help="write the figures (and each raw result) as JSON to this file, or to "
+        "load_memory.json in it if it is a folder",
+    )
     parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")
     parser.add_argument(
         "--page-cache",
@@ -283,6 +287,12 @@ def report_profiles(table, out=sys.stdout):
                 print(tables["python"], file=out)
 
 
+def json_file(out: str) -> Path:
+    """Where ``--out`` puts the JSON: the path itself, or a file in it if it is a folder."""
+    path = Path(out)
+    return path / "load_memory.json" if path.is_dir() else path
+
+
 def main(argv=None):
     """Measure, print the table, write the JSON."""
     args = build_parser().parse_args(argv)
@@ -310,9 +320,9 @@ def main(argv=None):
         max(1, args.repeats),
         out=sys.stdout,
     )
-    if args.out:
-        Path(args.out).write_text(json.dumps(table, indent=1, default=str), encoding="utf-8")
     report(table)
+    if args.out:
+        json_file(args.out).write_text(json.dumps(table, indent=1, default=str), encoding="utf-8")
     if args.profile:
         report_profiles(table)
     ran = all(

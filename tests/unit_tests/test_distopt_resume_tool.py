@@ -551,3 +551,9 @@ def test_the_tables_dist_checkpoint_formats_are_sharding_types_the_fork_knows():
     for name in table.format_names(dist_checkpoint=True):
         assert formats.format_named(name).name == name
     assert "legacy" not in formats.FORMATS  # torch.save files, not a sharding type
+
+
+def test_load_memory_writes_its_json_into_a_folder_given_as_out(tmp_path):
+    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_cpu")
+    assert benchmark.json_file(str(tmp_path)) == tmp_path / "load_memory.json"
+    assert benchmark.json_file(str(tmp_path / "figures.json")) == tmp_path / "figures.json"
