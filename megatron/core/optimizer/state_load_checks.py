@@ -33,7 +33,7 @@ NONFINITE_POLICIES = ("error", "warn", "ignore")
 _NONFINITE_CHUNK = 1 << 24
 
 # The accelerator devices and dtypes whose scan kernel has been launched in this process, and
-# the thread launching it for more, if one is running.
+# the warm-up threads not yet waited for.
 _scan_kernels_loaded: Set[Tuple[torch.device, torch.dtype]] = set()
 _scan_warm_up: List[threading.Thread] = []
 # Enough elements for a reduction over many blocks, as the scanned tensors get (256 KiB of fp32).
@@ -101,8 +101,8 @@ def warm_up_nonfinite_scan(tensors: Sequence[Any]) -> None:
     The first launch of a kernel in a process loads it, which costs milliseconds of host time
     (CUDA loads kernels lazily). Started when a load asks for the tensors to read into, the
     thread pays that while the checkpoint is read, instead of the load's second pass. It reduces
-    a one-element tensor of its own; the kinds of ``tensors`` (non-tensors are skipped) are
-    found on the thread, so that a long list costs the caller nothing.
+    a small tensor of its own (``_WARM_UP_ELEMENTS``); the kinds of ``tensors`` (non-tensors
+    are skipped) are found on the thread, so that a long list costs the caller nothing.
     """
     if nonfinite_policy() == "ignore" or not torch.cuda.is_available():
         return
