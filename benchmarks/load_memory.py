@@ -288,9 +288,13 @@ def report_profiles(table, out=sys.stdout):
 
 
 def json_file(out: str) -> Path:
-    """Where ``--out`` puts the JSON: the path itself, or a file in it if it is a folder."""
+    """Where ``--out`` puts the JSON: the path itself, or ``load_memory.json`` in it if it is a
+    folder or ends with a separator; the folders it needs are made."""
     path = Path(out)
-    return path / "load_memory.json" if path.is_dir() else path
+    if path.is_dir() or out.endswith(("/", os.sep)):
+        path = path / "load_memory.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def main(argv=None):

@@ -557,3 +557,6 @@ def test_load_memory_writes_its_json_into_a_folder_given_as_out(tmp_path):
     benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_cpu")
     assert benchmark.json_file(str(tmp_path)) == tmp_path / "load_memory.json"
     assert benchmark.json_file(str(tmp_path / "figures.json")) == tmp_path / "figures.json"
+    assert benchmark.json_file(f"{tmp_path}/new/") == tmp_path / "new" / "load_memory.json"
+    assert benchmark.json_file(str(tmp_path / "a" / "b.json")) == tmp_path / "a" / "b.json"
+    assert (tmp_path / "new").is_dir() and (tmp_path / "a").is_dir()

@@ -14,6 +14,7 @@ import gc
 import io
 import math
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -248,10 +249,12 @@ def test_the_scan_s_kernel_is_first_launched_on_a_warm_up_thread(monkeypatch):
         torch.ones(2),
     ]
     checks.warm_up_nonfinite_scan(tensors)
+    checks.warm_up_nonfinite_scan(tensors)  # a second optimizer's, while the first may run
     assert checks.nonfinite_suspects(tensors) == []
     device = tensors[0].device
     warmed = {(d, t) for name, d, t in launches if name == "nonfinite-scan-warm-up"}
     assert warmed == {(device, torch.bfloat16), (device, torch.float16), (device, torch.float32)}
+    assert sum(name == "nonfinite-scan-warm-up" for name, _, _ in launches) == len(warmed)
     assert {name for name, _, _ in launches[: len(warmed)]} == {"nonfinite-scan-warm-up"}
     assert len(launches) == len(warmed) + 3  # the scan's own launches, after the warm-up
     launches.clear()
@@ -277,6 +280,37 @@ def test_a_dist_checkpoint_request_starts_the_scan_s_warm_up_on_the_live_state(m
     assert {id(p) for p in params} <= {id(t) for t in tensors}
     first_state = inner.state[inner.param_groups[0]["params"][0]]
     assert {id(v) for v in first_state.values()} <= {id(t) for t in tensors}
+
+
+def test_the_warm_up_never_fails_a_load_request(monkeypatch):
+    """It is an optimisation: no thread to be had, or a bad policy (the scan reports it), and
+    the request goes on and the scan works."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def no_thread(thread):
+        raise RuntimeError("can't start new thread")
+
+    with mock.patch.object(threading.Thread, "start", no_thread):
+        checks.warm_up_nonfinite_scan([torch.ones(2)])
+    assert not checks._scan_warm_up
+    assert checks.nonfinite_suspects([torch.ones(2)]) == []
+    monkeypatch.setenv(checks.NONFINITE_POLICY_ENV, "sometimes")
+    checks.warm_up_nonfinite_scan([torch.ones(2)])
+    with pytest.raises(ValueError, match="sometimes"):
+        checks.scan_nonfinite([("p", "exp_avg", torch.ones(2))], "the test")
+
+
+@pytest.mark.usefixtures("cpu_as_cuda")
+def test_a_load_leaves_no_warm_up_thread_behind_even_without_a_scan(monkeypatch):
+    _, _, state_dict = saved_distopt("torch_adamw")
+    model, optimizer = build_distopt("torch_adamw")
+    core.train_step(optimizer, model, 0)
+    with mock.patch.object(torch.cuda, "is_available", lambda: True):
+        optimizer.sharded_state_dict({}, is_loading=True, metadata=core.DP_RESHARDABLE)
+    assert checks._scan_warm_up  # the request started one
+    monkeypatch.setenv(checks.NONFINITE_POLICY_ENV, "ignore")  # so load_state_dict scans nothing
+    optimizer.load_state_dict(state_dict)
+    assert not checks._scan_warm_up
 
 
 def test_float8_state_is_scanned_too():

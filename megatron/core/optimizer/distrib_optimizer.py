@@ -714,6 +714,8 @@ class DistributedOptimizer(
                     "load_state_dict refused the checkpoint"
                 )
             raise
+        finally:
+            checks.finish_scan_warm_up()  # started by the load request, scan or not
         self._load_request_outstanding = False
 
         scaffolds = not self.optimizer.state and not self.inner_state.builds_own_state

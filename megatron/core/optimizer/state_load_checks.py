@@ -32,9 +32,10 @@ NONFINITE_POLICIES = ("error", "warn", "ignore")
 # Elements per isfinite pass: bounds the temporary mask to 16 MiB whatever the tensor's size.
 _NONFINITE_CHUNK = 1 << 24
 
-# The accelerator devices and dtypes whose scan kernel has been launched in this process, and
-# the warm-up threads not yet waited for.
+# The accelerator devices and dtypes whose scan kernel has been (or is being) launched in this
+# process, guarded by the lock, and the warm-up threads not yet waited for.
 _scan_kernels_loaded: Set[Tuple[torch.device, torch.dtype]] = set()
+_scan_kernels_lock = threading.Lock()
 _scan_warm_up: List[threading.Thread] = []
 # Enough elements for a reduction over many blocks, as the scanned tensors get (256 KiB of fp32).
 _WARM_UP_ELEMENTS = 1 << 16
@@ -104,7 +105,10 @@ def warm_up_nonfinite_scan(tensors: Sequence[Any]) -> None:
     a small tensor of its own (``_WARM_UP_ELEMENTS``); the kinds of ``tensors`` (non-tensors
     are skipped) are found on the thread, so that a long list costs the caller nothing.
     """
-    if nonfinite_policy() == "ignore" or not torch.cuda.is_available():
+    try:
+        if nonfinite_policy() == "ignore" or not torch.cuda.is_available():
+            return
+    except ValueError:  # a bad policy is the scan's to report, in load_state_dict
         return
 
     def launch():
@@ -116,18 +120,23 @@ def warm_up_nonfinite_scan(tensors: Sequence[Any]) -> None:
             and value.device.type == "cuda"
         }
         kinds |= {(device, torch.float32) for device, _ in kinds}  # unscaled state is fp32
-        for device, dtype in kinds - _scan_kernels_loaded:
+        with _scan_kernels_lock:  # another optimizer's warm-up may be running (chained ones)
+            kinds -= _scan_kernels_loaded
+            _scan_kernels_loaded.update(kinds)
+        for device, dtype in kinds:
             try:
                 with torch.cuda.device(device):
                     sample = torch.zeros(_WARM_UP_ELEMENTS, dtype=dtype, device=device)
                     _extremes_into(sample, torch.empty((2,), dtype=dtype, device=device))
             except (NotImplementedError, RuntimeError):  # no aminmax for it: the scan knows
                 pass
-            _scan_kernels_loaded.add((device, dtype))
 
     thread = threading.Thread(target=launch, name="nonfinite-scan-warm-up", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # no thread to be had (limits, shutdown): the scan pays instead
+        return
     _scan_warm_up.append(thread)
-    thread.start()
 
 
 def _extremes_into(tensor: torch.Tensor, row: torch.Tensor) -> None:
@@ -135,8 +144,9 @@ def _extremes_into(tensor: torch.Tensor, row: torch.Tensor) -> None:
     torch.aminmax(tensor.detach().reshape(-1), out=(row[0], row[1]))
 
 
-def _finish_scan_warm_up() -> None:
-    """Wait for the warm-up threads still running, so that the scan never races them."""
+def finish_scan_warm_up() -> None:
+    """Wait for the warm-up threads still running: the scan must not race them, and a load
+    leaves none behind it (whether it scanned or not)."""
     while _scan_warm_up:
         _scan_warm_up.pop().join()
 
@@ -150,7 +160,7 @@ def nonfinite_suspects(tensors: Sequence[torch.Tensor]) -> List[int]:
     scan waits for each device once, and launches no kernel but ``aminmax`` (a kernel's first
     launch in a process costs milliseconds, which the load would pay for each test kernel).
     """
-    _finish_scan_warm_up()
+    finish_scan_warm_up()
     suspects, groups = [], {}
     for index, tensor in enumerate(tensors):
         if tensor.is_floating_point() and tensor.numel():
