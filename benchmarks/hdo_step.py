@@ -66,6 +66,12 @@ def fork_per_copy_class():
     return type("HybridDeviceOptimizer", (fork_class(),), {"flat_host_steps": False})
 
 
+def fork_parts_class():
+    """The fork's HybridDeviceOptimizer moving host copies larger than a bucket (16 MiB) in
+    parts of that size (``host_part_bytes``), which ``--parts`` times beside the default."""
+    return type("HybridDeviceOptimizer", (fork_class(),), {"host_part_bytes": 16 << 20})
+
+
 def upstream_class():
     """megatron-core 0.19.2's HybridDeviceOptimizer from its own file."""
     return load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer").HybridDeviceOptimizer
@@ -283,6 +289,7 @@ IMPLEMENTATIONS = {
     "upstream 0.19.2": upstream_class,
     "fork": fork_class,
     "fork per-copy": fork_per_copy_class,
+    "fork parts": fork_parts_class,
 }
 
 
@@ -369,6 +376,12 @@ def parse_args(argv=None):
         action="store_true",
         help="also time the fork with its host buckets stepped copy by copy (flat_host_steps "
         "off), in the same run, as the reference its flat step is measured against",
+    )
+    parser.add_argument(
+        "--parts",
+        action="store_true",
+        help="also time the fork with host copies larger than 16 MiB stepped and moved in "
+        "parts of 16 MiB (host_part_bytes), in the same run",
     )
     parser.add_argument(
         "--breakdown",
@@ -474,7 +487,7 @@ def main():
         f"HDO step benchmark on {label}; torch {torch.__version__}; host threads "
         f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}"
     )
-    implementations = ["fork"] + ["fork per-copy"] * args.per_copy
+    implementations = ["fork"] + ["fork per-copy"] * args.per_copy + ["fork parts"] * args.parts
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]

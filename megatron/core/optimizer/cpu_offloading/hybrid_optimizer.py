@@ -45,6 +45,12 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
+    PART_ALIGN_BYTES,
+    PartedCopy,
+    can_part,
+    part_ranges,
+)
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
     ParamState,
@@ -160,6 +166,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # Step each packed host bucket of torch's fused Adam/AdamW in one kernel call over its
     # blocks (see hybrid_optimizer_flat_step); False steps copy by copy, as a reference.
     flat_host_steps = True
+
+    # Host copies larger than this many bytes (a multiple of PART_ALIGN_BYTES) are stepped and
+    # moved in parts of this size, each a bucket of the pipeline, where their sub-optimizer is
+    # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
+    host_part_bytes = 0
 
     def __init__(
         self,
@@ -433,13 +444,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     offset = _staged_offset(end)
                     grads.append((host, param, offset))
                     end = offset + _nbytes(host)
-            if grads:
-                staged.append(len(self._buckets))
-            bucket = _Bucket(optimizer, grads, end)
-            bucket.hosts = [host for host, _, _ in grads]
-            bucket.params = [param for _, param, _ in grads]
-            bucket.packed = len(grads) > 1 and len({p.device for p in bucket.params}) == 1
-            self._buckets.append(bucket)
+            for bucket in self._buckets_of(optimizer, grads, end):
+                if grads:
+                    staged.append(len(self._buckets))
+                self._buckets.append(bucket)
 
         copies = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
         pin_slots = self.pin_cpu_grads and bool(copies)
@@ -451,7 +459,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 on_cuda = [host for host, param, _ in bucket.grads if param.is_cuda]
                 if bucket.packed and on_cuda:
                     units.append((index, bucket.nbytes))
-                else:
+                elif bucket.part is None or bucket.part[0] == 0:  # a parted copy counts once
                     units.extend((host, _nbytes(host)) for host in on_cuda)
         slots, pinned = plan_pinned_host_memory(
             [self._buckets[i].nbytes for i in staged],
@@ -478,6 +486,38 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         self._ring: List[torch.Tensor] = []
 
+    def _buckets_of(self, optimizer, grads, nbytes: int) -> List[_Bucket]:
+        """The pipeline's buckets for one host sub-optimizer: one, or one per part of its
+        only copy where that is larger than ``host_part_bytes`` and can be stepped in parts."""
+        part_bytes = self.host_part_bytes
+        if part_bytes and part_bytes % PART_ALIGN_BYTES:
+            raise ValueError(
+                f"host_part_bytes={part_bytes} must be a multiple of {PART_ALIGN_BYTES} bytes"
+            )
+        if len(grads) == 1 and part_bytes and nbytes > part_bytes:
+            host, param, _ = grads[0]
+            if param.is_contiguous() and can_part(optimizer, host):
+                ranges = part_ranges(host.numel(), host.element_size(), part_bytes)
+                parted = PartedCopy(optimizer, self._entries_by_inner[host], ranges)
+                parted.buckets = [
+                    _Bucket(
+                        optimizer,
+                        grads,
+                        (stop - start) * host.element_size(),
+                        hosts=[host],
+                        params=[param],
+                        part=(start, stop),
+                        parted=parted,
+                    )
+                    for start, stop in ranges
+                ]
+                return parted.buckets
+        bucket = _Bucket(optimizer, grads, nbytes)
+        bucket.hosts = [host for host, _, _ in grads]
+        bucket.params = [param for _, param, _ in grads]
+        bucket.packed = len(grads) > 1 and len({p.device for p in bucket.params}) == 1
+        return [bucket]
+
     @torch.no_grad()
     def _allocate_ring(self):
         """On the first step: allocate the slots, view each gradient into its slot, pin copies,
@@ -490,8 +530,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for nbytes in plan.slot_bytes
         ]
         for bucket in self._buckets:
+            slot = self._ring[bucket.slot] if bucket.grads else None
+            if bucket.part is not None:  # a part's gradient is a slice: it has no whole view
+                bucket.views = [slot[: bucket.nbytes].view(bucket.hosts[0].dtype)]
+                continue
             for host, _, offset in bucket.grads:
-                self.cpu_copy_map_grad[host] = _typed_view(self._ring[bucket.slot], offset, host)
+                self.cpu_copy_map_grad[host] = _typed_view(slot, offset, host)
             bucket.views = [self.cpu_copy_map_grad[host] for host in bucket.hosts]
         pinned_blocks = set(plan.blocks_to_pin)
         for index, bucket in enumerate(self._buckets):
@@ -635,19 +679,39 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _step_host_bucket(self, bucket: _Bucket):
         """Step one host bucket once its gradients have landed: flat where it can be."""
-        event = self._cpu_optimizer_map_data_event.pop(bucket.optimizer, None)
+        event = self._cpu_optimizer_map_data_event.pop(bucket.event_key, None)
         if event is not None:
             event.synchronize()
+        if bucket.parted is not None:
+            return  # stepped in _after_host_step, which knows which parts then go up
         if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
             bucket.optimizer.step()
             if bucket.flat is not None:
                 bucket.flat.lay_out()  # so that the next step can be flat
 
     def _after_host_step(self, bucket: _Bucket) -> None:
-        """Queue the download that reuses the stepped bucket's slot, then its upload."""
+        """Queue the download that reuses the stepped bucket's slot, then its upload.
+
+        A part of a copy is stepped here, since its step may also release the uploads of the
+        parts before it (a copy whose parts are gathered goes up once its last has landed).
+        """
+        ready = [bucket]
+        if bucket.parted is not None:
+            ready = self._step_part(bucket)
         if bucket.follower is not None:
             self._download(bucket.follower)
-        self._upload(bucket, staged_in_slot=bucket.follower is None)
+        for stepped in ready:
+            self._upload(stepped, staged_in_slot=stepped.follower is None and stepped is bucket)
+
+    def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
+        """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""
+        if bucket.keep is not None:  # no gradient this step: no part is stepped
+            return []
+        parted = bucket.parted
+        index = parted.ranges.index(bucket.part)
+        if index == 0:
+            parted.begin()
+        return [parted.buckets[i] for i in parted.step_part(index, bucket.views[0])]
 
     def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
         """Give the inner tensors stepped in place their gradients for this step.
@@ -689,13 +753,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket = self._buckets[index]
         if bucket.master is not None and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
             self._pack(bucket, bucket.master.is_pinned())  # a copy was re-pointed
-        grads = [_grad_of(param) for param in bucket.params]
+        grads = [bucket.sliced(_grad_of(param)) for param in bucket.params]
         bucket.keep = None
         if any(grad is None for grad in grads):
             bucket.keep = [i for i, grad in enumerate(grads) if grad is not None]
         for host, view, grad in zip(bucket.hosts, bucket.views, grads):
             lent = None if grad is None else view
-            if host.grad is not lent:
+            if bucket.part is None and host.grad is not lent:  # a part lends no whole view
                 host.grad = lent
         grads = bucket.kept(grads)
         with _on_stream(self._d2h_stream):
@@ -713,7 +777,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
                     staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
             if self._d2h_stream is not None:
-                self._cpu_optimizer_map_data_event[bucket.optimizer] = (
+                self._cpu_optimizer_map_data_event[bucket.event_key] = (
                     self._d2h_stream.record_event()
                 )
 
@@ -744,13 +808,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 else:
                     torch._foreach_copy_(params, bucket.kept(bucket.hosts))
                 return
-            for host, param in zip(bucket.kept(bucket.hosts), params):
+            for host, param, slot_view in zip(
+                bucket.kept(bucket.hosts), params, bucket.kept(bucket.views)
+            ):
+                host, param = bucket.sliced(host), bucket.sliced(param.data)
                 source = host
                 if stage and not host.is_pinned():
                     # An upload from pageable memory blocks the host until it is done, holding
                     # up the next host step; a host copy into the pinned slot (where this
                     # gradient was) is faster and lets the upload run behind it.
-                    source = self.cpu_copy_map_grad[host]
+                    source = slot_view
                     source.copy_(host)
                 if param.is_cuda and host.dtype != param.dtype:
                     # Narrow on the device. The staging tensor is allocated on this stream, so

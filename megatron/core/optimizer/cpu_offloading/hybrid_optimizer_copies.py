@@ -130,6 +130,9 @@ class _Bucket:
         up: device views the uploaded block lands in, narrowed from there (packed, on CUDA).
         keep: indices of the copies that have a gradient in this step; None for all.
         flat: the one-call step of a packed bucket (first step on), or None.
+        part: the element range of its one host copy that this bucket moves, where the copy
+            moves in parts (``hybrid_optimizer_parts``); None for the whole copy.
+        parted: the step shared by the parts of that copy (``PartedCopy``), or None.
     """
 
     optimizer: torch.optim.Optimizer
@@ -147,10 +150,25 @@ class _Bucket:
     up: List[torch.Tensor] = dataclasses.field(default_factory=list)
     keep: Optional[List[int]] = None
     flat: Any = None
+    part: Optional[Tuple[int, int]] = None
+    parted: Any = None
+
+    @property
+    def event_key(self) -> Any:
+        """Its key in the HDO's map of D2H events: the sub-optimizer, as upstream keys it,
+        or with its range for one part of a copy (its parts share the sub-optimizer)."""
+        return self.optimizer if self.part is None else (self.optimizer, self.part)
 
     def kept(self, items: List[Any]) -> List[Any]:
         """The entries of ``items`` (one per copy) whose copy has a gradient this step."""
         return items if self.keep is None else [items[i] for i in self.keep]
+
+    def sliced(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``tensor`` (a copy, its parameter or a gradient) as this bucket moves it: whole,
+        or the 1-D slice of its part."""
+        if tensor is None or self.part is None:
+            return tensor
+        return tensor.reshape(-1)[self.part[0] : self.part[1]]
 
 
 @dataclasses.dataclass

@@ -1,0 +1,141 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Large host copies stepped and moved in parts give the whole-copy step's results exactly.
+
+With ``host_part_bytes`` set, a host copy larger than it is cut into parts, each a bucket of the
+step's pipeline: its own ring slot, download, fused AdamW over its slices and upload. Each test
+runs such an optimizer beside the same one moving every copy whole, on the same inputs, and
+compares parameters and state with ``torch.equal``: sizes that are not multiples of a part or a
+vector, learning-rate changes, parameters left without a gradient, a step hook (which makes the
+parts gather their gradients for the sub-optimizer's own step) and a loaded state.
+"""
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    from hdo_client_flows import build_hdo
+    from test_hybrid_optimizer_packed_copies import assert_same
+    from test_optimizer_cpu_offloading import train_drawn
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.hdo_client_flows import build_hdo
+    from tests.unit_tests.test_hybrid_optimizer_packed_copies import assert_same
+    from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
+
+pytestmark = pytest.mark.skipif(
+    not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), reason="the fork's buckets"
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PART_BYTES = 64 << 10  # 16,384 fp32 elements
+# Two copies of several parts (the last part short), one of exactly two, small ones between.
+SIZES = [16, 40_001, 3, (300, 301), 32_768, 77, 16_385]
+
+
+def make(part_bytes, monkeypatch, seed=0, sizes=None):
+    """Parameters and an HDO over them, every copy in a bucket of its own unless small, its
+    large copies moved in parts of ``part_bytes`` (0: whole)."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", PART_BYTES)
+    hdo_class = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
+    hdo_class.host_part_bytes = part_bytes
+    return build_hdo(hdo_class, sizes or SIZES, 1.0, seed=seed, device=DEVICE)
+
+
+def train(built, steps, seed, has_grad=lambda step, index: True, between=None):
+    """Drawn gradients; the learning rate changes after each step."""
+
+    def after(opt):
+        for group in opt.param_groups:
+            group["lr"] *= 0.7
+        if between is not None:
+            between(opt)
+
+    params, optimizer = built
+    train_drawn(params, optimizer, steps, seed, has_grad=has_grad, check=after)
+
+
+def parted(optimizer):
+    """The copies moved in parts (there must be some), each with its buckets."""
+    copies = {id(b.parted): b.parted for b in optimizer._buckets if b.parted is not None}
+    assert copies, "no copy moves in parts"
+    return list(copies.values())
+
+
+def test_copies_moved_in_parts_step_exactly_as_whole_copies(monkeypatch):
+    built, reference = make(PART_BYTES, monkeypatch), make(0, monkeypatch)
+    train(built, 4, seed=3)
+    train(reference, 4, seed=3)
+    assert_same(built, reference)
+    copies = parted(built[1])
+    assert sorted(len(c.ranges) for c in copies) == [2, 2, 3, 6]
+    assert all(c.buckets[0].part == (0, PART_BYTES // 4) for c in copies)
+    assert all(c._settings is not None for c in copies)  # stepped part by part, not gathered
+    buckets = built[1]._buckets  # each waits for its own download's event
+    assert len({bucket.event_key for bucket in buckets}) == len(buckets)
+    # The ring's slots hold a part at most; with whole copies one holds the largest copy.
+    assert max(built[1]._ring_plan.slot_bytes) <= PART_BYTES
+    assert max(reference[1]._ring_plan.slot_bytes) > PART_BYTES
+
+
+def test_the_state_of_a_copy_moved_in_parts_is_its_whole_state(monkeypatch):
+    params, optimizer = make(PART_BYTES, monkeypatch)
+    train((params, optimizer), 3, seed=1)
+    for copy in parted(optimizer):
+        host = copy.host
+        param = optimizer.inner_param_to_orig_param[host]
+        state = optimizer.state[param]
+        assert state is copy.entry and copy.optimizer.state[host] is state
+        assert state["exp_avg"].shape == host.shape == state["exp_avg_sq"].shape
+        assert float(state["step"]) == 3.0
+        assert host.grad is None  # no part leaves a slice or a gathered buffer behind
+
+
+def test_a_parameter_without_a_gradient_skips_all_its_parts(monkeypatch):
+    def has_grad(step, index):
+        return not (step in (1, 2) and index == 1) and not (step == 0 and index == 6)
+
+    built, reference = make(PART_BYTES, monkeypatch), make(0, monkeypatch)
+    train(built, 4, seed=5, has_grad=has_grad)
+    train(reference, 4, seed=5, has_grad=has_grad)
+    assert_same(built, reference)
+    params, optimizer = built
+    assert float(optimizer.state[params[1]]["step"]) == 2.0
+
+
+def test_a_hooked_sub_optimizer_steps_the_gathered_copy_once(monkeypatch):
+    built, reference = make(PART_BYTES, monkeypatch), make(0, monkeypatch)
+    train(built, 1, seed=7)
+    train(reference, 1, seed=7)
+    calls = []
+    hooked = parted(built[1])[0]
+    hooked.optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(opt))
+    train(built, 3, seed=8)
+    train(reference, 3, seed=8)
+    assert_same(built, reference)
+    assert calls == [hooked.optimizer] * 3
+
+
+def test_a_loaded_state_is_stepped_in_parts(monkeypatch):
+    built, reference = make(PART_BYTES, monkeypatch), make(0, monkeypatch)
+    donor = make(0, monkeypatch, seed=0)
+    train(built, 2, seed=1)
+    train(donor, 3, seed=2)
+    for target in (built, reference):
+        target[1].load_state_dict(donor[1].state_dict())
+        for param, source in zip(target[0], donor[0]):
+            param.data.copy_(source.data)
+        target[1].update_fp32_param_by_new_param()
+    train(built, 2, seed=4)
+    train(reference, 2, seed=4)
+    assert_same(built, reference)
+    assert all(c._settings is not None for c in parted(built[1]))  # the loaded state as is
+
+
+@pytest.mark.parametrize("part_bytes", [1000, PART_BYTES + 64])
+def test_a_part_size_off_the_alignment_is_refused(part_bytes, monkeypatch):
+    params, optimizer = make(part_bytes, monkeypatch)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    with pytest.raises(ValueError, match="multiple of"):
+        optimizer.step()
