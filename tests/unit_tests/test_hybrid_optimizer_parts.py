@@ -101,6 +101,8 @@ def test_a_parameter_without_a_gradient_skips_all_its_parts(monkeypatch):
     assert_same(built, reference)
     params, optimizer = built
     assert float(optimizer.state[params[1]]["step"]) == 2.0
+    skipped = [c for c in parted(optimizer) if c.host is optimizer.param_to_inner_param[params[1]]]
+    assert skipped and skipped[0]._settings is not None  # its parts were stepped, not gathered
 
 
 def test_a_hooked_sub_optimizer_steps_the_gathered_copy_once(monkeypatch):
