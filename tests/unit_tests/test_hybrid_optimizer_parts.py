@@ -141,3 +141,27 @@ def test_a_part_size_off_the_alignment_is_refused(part_bytes, monkeypatch):
         param.grad = torch.zeros_like(param)
     with pytest.raises(ValueError, match="multiple of"):
         optimizer.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
+def test_parts_leave_more_copies_pinned_within_upstreams_pinned_memory(monkeypatch):
+    """Eight copies of 2.4 parts each: with whole copies the ring's three slots take three
+    copies' blocks of upstream's budget, with parts a part's each, so two more copies are
+    pinned; the process still pins no more than upstream would."""
+    memory = pytest.importorskip("megatron_optimizer_fork.memory")
+    pinned_copies = {}
+    for part_bytes in (0, PART_BYTES):
+        memory.release_cached_pinned_memory()
+        before = memory.pinned_bytes_held()
+        params, optimizer = make(part_bytes, monkeypatch, sizes=[40_001] * 8)
+        train((params, optimizer), 1, seed=1)
+        memory.release_cached_pinned_memory()
+        held = memory.pinned_bytes_held() - before
+        copies = list(optimizer.gpu_params_map_cpu_copy.items())
+        budget = hybrid_optimizer.upstream_pinned_bytes(
+            [(h, p) for p, h in copies], True, held=True
+        )
+        assert 0 < held <= budget
+        pinned_copies[part_bytes] = sum(h.is_pinned() for _, h in copies)
+        del params, optimizer
+    assert pinned_copies == {0: 5, PART_BYTES: 7}
