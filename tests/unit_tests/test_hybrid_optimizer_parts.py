@@ -116,6 +116,9 @@ def test_a_hooked_sub_optimizer_steps_the_gathered_copy_once(monkeypatch):
     train(reference, 3, seed=8)
     assert_same(built, reference)
     assert calls == [hooked.optimizer] * 3
+    # Only the hooked copy was gathered; the others went on part by part.
+    assert [c._settings is None for c in parted(built[1])].count(True) == 1
+    assert hooked._settings is None
 
 
 def test_a_loaded_state_is_stepped_in_parts(monkeypatch):
@@ -139,8 +142,46 @@ def test_a_part_size_off_the_alignment_is_refused(part_bytes, monkeypatch):
     params, optimizer = make(part_bytes, monkeypatch)
     for param in params:
         param.grad = torch.zeros_like(param)
-    with pytest.raises(ValueError, match="multiple of"):
-        optimizer.step()
+    for _ in range(2):  # refused before anything is built, so again the same way
+        with pytest.raises(ValueError, match="multiple of"):
+            optimizer.step()
+
+
+@pytest.mark.parametrize(
+    "cls, in_fp32, overlap, maximize",
+    [
+        (torch.optim.Adam, True, True, False),
+        (torch.optim.AdamW, False, True, True),
+        (torch.optim.AdamW, True, False, False),
+    ],
+    ids=["adam", "bf16-copies-maximize", "overlap-off"],
+)
+def test_parts_step_exactly_in_other_settings(cls, in_fp32, overlap, maximize, monkeypatch):
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", PART_BYTES)
+    built = []
+    for part_bytes in (PART_BYTES, 0):
+        hdo_class = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
+        hdo_class.host_part_bytes = part_bytes
+        generator = torch.Generator().manual_seed(2)
+        params = [
+            torch.nn.Parameter(torch.randn(shape, generator=generator).to(DEVICE, torch.bfloat16))
+            for shape in SIZES
+        ]
+        optimizer = hdo_class(
+            [{"params": params, "weight_decay": 0.1}],
+            offload_fraction=1.0,
+            cpu_optimizer_cls=cls,
+            gpu_optimizer_cls=cls,
+            param_update_in_fp32=in_fp32,
+            overlap_cpu_optimizer_d2h_h2d=overlap,
+            lr=torch.tensor(1e-2),
+            maximize=maximize,
+            fused=True,
+        )
+        train((params, optimizer), 3, seed=9)
+        built.append((params, optimizer))
+    assert_same(*built)
+    assert all(c._settings is not None for c in parted(built[0][1]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")

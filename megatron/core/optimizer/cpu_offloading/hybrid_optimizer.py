@@ -224,6 +224,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Place the parameters and build the sub-optimizers for the current groups, once."""
         if "param_to_inner_param" in vars(self):
             return
+        part_bytes = self.host_part_bytes
+        if part_bytes < 0 or part_bytes % PART_ALIGN_BYTES:
+            raise ValueError(
+                f"host_part_bytes={part_bytes} must be 0 or a multiple of "
+                f"{PART_ALIGN_BYTES} bytes"
+            )
         self._building = True
         try:
             self._place_params()
@@ -490,10 +496,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """The pipeline's buckets for one host sub-optimizer: one, or one per part of its
         only copy where that is larger than ``host_part_bytes`` and can be stepped in parts."""
         part_bytes = self.host_part_bytes
-        if part_bytes and part_bytes % PART_ALIGN_BYTES:
-            raise ValueError(
-                f"host_part_bytes={part_bytes} must be a multiple of {PART_ALIGN_BYTES} bytes"
-            )
         if len(grads) == 1 and part_bytes and nbytes > part_bytes:
             host, param, _ = grads[0]
             if param.is_contiguous() and can_part(optimizer, host):
@@ -753,7 +755,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         bucket = self._buckets[index]
         if bucket.master is not None and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
             self._pack(bucket, bucket.master.is_pinned())  # a copy was re-pointed
-        grads = [bucket.sliced(_grad_of(param)) for param in bucket.params]
+        grads = [_grad_of(param) for param in bucket.params]
         bucket.keep = None
         if any(grad is None for grad in grads):
             bucket.keep = [i for i, grad in enumerate(grads) if grad is not None]
@@ -763,6 +765,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 host.grad = lent
         grads = bucket.kept(grads)
         with _on_stream(self._d2h_stream):
+            if bucket.part is not None:  # a strided gradient is made dense here, on this stream
+                grads = [bucket.sliced(grad.contiguous()) for grad in grads]
             if bucket.down and grads:
                 torch._foreach_copy_(bucket.kept(bucket.down), grads)  # widens on the device
                 raw = self._device_staging[0][: bucket.nbytes]

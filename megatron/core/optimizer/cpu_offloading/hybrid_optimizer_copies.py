@@ -164,11 +164,12 @@ class _Bucket:
         return items if self.keep is None else [items[i] for i in self.keep]
 
     def sliced(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """``tensor`` (a copy, its parameter or a gradient) as this bucket moves it: whole,
-        or the 1-D slice of its part."""
+        """``tensor`` (a copy, its parameter or a dense gradient) as this bucket moves it:
+        whole, or the 1-D slice of its part (a view, so a strided tensor is refused rather than
+        copied and written in vain)."""
         if tensor is None or self.part is None:
             return tensor
-        return tensor.reshape(-1)[self.part[0] : self.part[1]]
+        return tensor.view(-1)[self.part[0] : self.part[1]]
 
 
 @dataclasses.dataclass

@@ -15,10 +15,11 @@ round differently, so part bounds are multiples of :data:`PART_ALIGN_BYTES`: eve
 gets the operations the whole-tensor call gives it. Where that kernel is not the sub-optimizer's
 step (hooks, a gradient scaler, settings the fused kernel does not take, state it did not
 create), the parts' gradients are gathered into one pageable buffer and the sub-optimizer steps
-the whole copy once the last part has landed; the parts then go up together.
+the whole copy once the last part has landed; the parts then go up together. A copy moved in
+parts has no whole gradient view in a slot: it has no ``cpu_copy_map_grad`` entry, and its
+``grad`` is None outside such a gathered step.
 """
 
-import operator
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -156,8 +157,9 @@ class PartedCopy:
                 return False
             if not value.is_contiguous():
                 return False
-        tensors = [step, *moments, host]
-        return len(set(map(operator.methodcaller("data_ptr"), tensors))) == len(tensors)
+        # No two of them may share memory: the kernel would step it twice.
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in (step, *moments, host))
+        return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
 
     def _create_state(self):
         """The state torch's fused Adam creates on its first step: a zero host fp32 counter
