@@ -112,3 +112,33 @@ def test_the_flat_step_benchmark_times_both_ways_over_the_same_buckets_and_value
     for a, b in zip(flat.param_groups[0]["params"], per_copy.param_groups[0]["params"]):
         host_a, host_b = (opt.param_to_inner_param[p] for opt, p in ((flat, a), (per_copy, b)))
         assert torch.equal(host_a, host_b)
+
+
+def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeypatch):
+    """The tool's buckets, parts and ring are those of an HDO over the same shards (on the
+    CPU the HDO plans the same ring; it only pins nothing)."""
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        pytest.skip("the fork's buckets")
+    pin_plan = load_tool("../benchmarks/hdo_pin_plan.py", "hdo_pin_plan")
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 16)
+    numels = [16, 40_001, 3, 90_300, 32_768, 77, 16_385, 5]
+    for part_bytes in (0, 1 << 16):
+        hdo_class = type("HDO", (hybrid_optimizer.HybridDeviceOptimizer,), {})
+        hdo_class.host_part_bytes = part_bytes
+        params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in numels]
+        optimizer = hdo_class(
+            [{"params": params}],
+            offload_fraction=0.8,
+            cpu_optimizer_cls=torch.optim.AdamW,
+            gpu_optimizer_cls=torch.optim.AdamW,
+            param_update_in_fp32=True,
+            fused=True,
+        )
+        optimizer._ensure_built()
+        figures = pin_plan.plan(numels, 0.8, part_bytes)
+        staged = [b for b in optimizer._buckets if b.grads]
+        assert figures["buckets"] == len(staged)
+        ring = sum(map(hybrid_optimizer.pinned_block_bytes, optimizer._ring_plan.slot_bytes))
+        assert figures["ring"] == ring / (1 << 20)
