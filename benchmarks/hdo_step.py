@@ -72,6 +72,17 @@ def fork_parts_class():
     return type("HybridDeviceOptimizer", (fork_class(),), {"host_part_bytes": 16 << 20})
 
 
+def in_place_class(choice: str):
+    """The optimizer of the parameters stepped in place: ``factory`` is the one Megatron's
+    optimizer factory hands the HDO (Transformer Engine's FusedAdam where it imports, else
+    Apex's, else torch's AdamW), ``torch`` is torch's AdamW."""
+    if choice == "torch":
+        return torch.optim.AdamW
+    from megatron.core import optimizer as factory  # pylint: disable=import-outside-toplevel
+
+    return factory.Adam
+
+
 def upstream_class():
     """megatron-core 0.19.2's HybridDeviceOptimizer from its own file."""
     return load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer").HybridDeviceOptimizer
@@ -251,7 +262,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         [{"params": params}],
         offload_fraction=fraction,
         cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=in_place_class(args.in_place),
         param_update_in_fp32=True,
         overlap_cpu_optimizer_d2h_h2d=overlap,
         lr=1e-4,
@@ -314,6 +325,8 @@ def run_worker(args, name, fraction, overlap):
         str(args.repeats),
         "--warmup",
         str(args.warmup),
+        "--in-place",
+        args.in_place,
         *(["--breakdown"] if args.breakdown else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -371,6 +384,14 @@ def parse_args(argv=None):
         "default",
     )
     parser.add_argument("--skip-upstream", action="store_true", help="time the fork alone")
+    parser.add_argument(
+        "--in-place",
+        choices=["factory", "torch"],
+        default="factory",
+        help="optimizer of the parameters stepped in place: factory is what Megatron's factory "
+        "hands the HDO (TE FusedAdam where Transformer Engine imports, else torch's AdamW), "
+        "torch is torch's AdamW",
+    )
     parser.add_argument(
         "--per-copy",
         action="store_true",
@@ -485,7 +506,8 @@ def main():
     label = torch.cuda.get_device_name() if device == "cuda" else "CPU only (host figures)"
     print(
         f"HDO step benchmark on {label}; torch {torch.__version__}; host threads "
-        f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}"
+        f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}; in place "
+        f"{in_place_class(args.in_place).__module__}.{in_place_class(args.in_place).__name__}"
     )
     implementations = ["fork"] + ["fork per-copy"] * args.per_copy + ["fork parts"] * args.parts
     if device == "cuda" and not args.skip_upstream:
