@@ -42,17 +42,23 @@ def part_ranges(numel: int, element_size: int, part_bytes: int) -> List[Tuple[in
     return [(start, min(start + size, numel)) for start in range(0, numel, size)]
 
 
-def can_part(optimizer: torch.optim.Optimizer, host: torch.Tensor) -> bool:
-    """Whether ``host``, the only parameter of ``optimizer``, may be stepped in parts: torch's
-    own fused Adam or AdamW over one dense floating-point host tensor."""
+def _part_settings(optimizer: torch.optim.Optimizer, host: torch.Tensor) -> Optional[dict]:
+    """The fused kernel's arguments where ``host``, the only parameter of ``optimizer``, may be
+    stepped in parts (torch's own fused Adam or AdamW over one dense floating-point host
+    tensor), else None."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return False
+        return None
     groups = optimizer.param_groups
     if len(groups) != 1 or len(groups[0]["params"]) != 1 or groups[0]["params"][0] is not host:
-        return False
+        return None
     if not host.is_floating_point() or host.is_complex() or not host.is_contiguous():
-        return False
-    return FlatAdamStep._kernel_settings(groups[0]) is not None  # pylint: disable=protected-access
+        return None
+    return FlatAdamStep._kernel_settings(groups[0])  # pylint: disable=protected-access
+
+
+def can_part(optimizer: torch.optim.Optimizer, host: torch.Tensor) -> bool:
+    """Whether ``host``, the only parameter of ``optimizer``, may be stepped in parts."""
+    return _part_settings(optimizer, host) is not None
 
 
 class PartedCopy:
@@ -132,13 +138,11 @@ class PartedCopy:
         """The fused kernel's arguments for this step, or None where its step is not that
         kernel over the entry's state as it is."""
         optimizer = self.optimizer
-        if not can_part(optimizer, self.host) or _hooked(optimizer) or _scaled(optimizer):
+        if _hooked(optimizer) or _scaled(optimizer):
             return None
         if self.entry and not self._stepped_as_created():
             return None
-        return FlatAdamStep._kernel_settings(  # pylint: disable=protected-access
-            optimizer.param_groups[0]
-        )
+        return _part_settings(optimizer, self.host)
 
     def _stepped_as_created(self) -> bool:
         """Whether the entry holds what torch's fused step creates and uses: a host fp32
