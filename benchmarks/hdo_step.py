@@ -31,6 +31,7 @@ Without CUDA there is nothing to offload to: the figures are then host-only and 
 """
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -60,16 +61,33 @@ def fork_class():
     return hybrid_optimizer.HybridDeviceOptimizer
 
 
-def fork_per_copy_class():
-    """The fork's HybridDeviceOptimizer stepping its host buckets copy by copy (no flat step),
-    the reference ``--per-copy`` times beside it."""
-    return type("HybridDeviceOptimizer", (fork_class(),), {"flat_host_steps": False})
+# Variants of the fork timed beside it in the same run, each behind an option: the option's
+# dest, the class attributes the variant changes, and what the option's help says it times.
+FORK_VARIANTS = {
+    "fork per-copy": (
+        "per_copy",
+        {"flat_host_steps": False},
+        "its host buckets stepped copy by copy (flat_host_steps off), as the reference its "
+        "flat step is measured against",
+    ),
+    "fork parts": (
+        "parts",
+        {"host_part_bytes": 16 << 20},
+        "host copies larger than 16 MiB stepped and moved in parts of 16 MiB (host_part_bytes)",
+    ),
+    "fork caller steps": (
+        "caller_steps",
+        {"host_steps_on_thread": False},
+        "its host buckets stepped on the thread calling step(), between the in-place step and "
+        "the copies' queueing (host_steps_on_thread off), as the reference its worker thread "
+        "is measured against",
+    ),
+}
 
 
-def fork_parts_class():
-    """The fork's HybridDeviceOptimizer moving host copies larger than a bucket (16 MiB) in
-    parts of that size (``host_part_bytes``), which ``--parts`` times beside the default."""
-    return type("HybridDeviceOptimizer", (fork_class(),), {"host_part_bytes": 16 << 20})
+def fork_variant_class(name: str):
+    """The fork's HybridDeviceOptimizer with the class attributes of variant ``name``."""
+    return type("HybridDeviceOptimizer", (fork_class(),), dict(FORK_VARIANTS[name][1]))
 
 
 def in_place_class(choice: str):
@@ -299,8 +317,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
 IMPLEMENTATIONS = {
     "upstream 0.19.2": upstream_class,
     "fork": fork_class,
-    "fork per-copy": fork_per_copy_class,
-    "fork parts": fork_parts_class,
+    **{name: functools.partial(fork_variant_class, name) for name in FORK_VARIANTS},
 }
 
 
@@ -392,18 +409,12 @@ def parse_args(argv=None):
         "hands the HDO (TE FusedAdam where Transformer Engine imports, else torch's AdamW), "
         "torch is torch's AdamW",
     )
-    parser.add_argument(
-        "--per-copy",
-        action="store_true",
-        help="also time the fork with its host buckets stepped copy by copy (flat_host_steps "
-        "off), in the same run, as the reference its flat step is measured against",
-    )
-    parser.add_argument(
-        "--parts",
-        action="store_true",
-        help="also time the fork with host copies larger than 16 MiB stepped and moved in "
-        "parts of 16 MiB (host_part_bytes), in the same run",
-    )
+    for name, (dest, _, times) in FORK_VARIANTS.items():
+        parser.add_argument(
+            "--" + dest.replace("_", "-"),
+            action="store_true",
+            help=f"also time the fork with {times}, in the same run (row: {name})",
+        )
     parser.add_argument(
         "--breakdown",
         action="store_true",
@@ -509,7 +520,7 @@ def main():
         f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}; in place "
         f"{in_place_class(args.in_place).__module__}.{in_place_class(args.in_place).__name__}"
     )
-    implementations = ["fork"] + ["fork per-copy"] * args.per_copy + ["fork parts"] * args.parts
+    implementations = ["fork"] + [n for n, (dest, *_) in FORK_VARIANTS.items() if vars(args)[dest]]
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]
