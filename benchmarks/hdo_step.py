@@ -75,13 +75,6 @@ FORK_VARIANTS = {
         {"host_part_bytes": 16 << 20},
         "host copies larger than 16 MiB stepped and moved in parts of 16 MiB (host_part_bytes)",
     ),
-    "fork caller steps": (
-        "caller_steps",
-        {"host_steps_on_thread": False},
-        "its host buckets stepped on the thread calling step(), between the in-place step and "
-        "the copies' queueing (host_steps_on_thread off), as the reference its worker thread "
-        "is measured against",
-    ),
 }
 
 

@@ -3,16 +3,13 @@
 
 Used by ``hdo_step.py --breakdown`` after the timed steps (and after the parameters' digest,
 since these steps change them). The parts are the fork's own methods, so an upstream
-optimizer, or one without them, gets no breakdown. Each part is timed on the thread it runs
-on, including the time it waits (for a download to land, for the last upload). With the host
-steps on a worker thread (``host_steps_on_thread``), ``host bucket`` and ``host step`` run
-beside the other parts, so the parts add up to more than the step; on the calling thread they
-add up to about the step.
+optimizer, or one without them, gets no breakdown. Each part is timed on the calling thread,
+including the time it waits (for a download to land, for the last upload): the parts add up
+to about the step.
 """
 
 import collections
 import contextlib
-import threading
 import time
 from typing import Callable, Dict, Iterator
 
@@ -22,14 +19,8 @@ PARTS = {
     "_set_sub_optimizer_grads": "in-place grads",
     "_download": "download queueing",
     "_upload": "upload queueing",
-    "_step_host_bucket": "host bucket",
 }
-"""The HDO's methods timed, and the name each is reported under. ``host bucket`` holds the
-wait for a bucket's gradients and its whole-bucket host step (``host step`` again, apart from
-part steps), so it less the host step is the time spent waiting for downloads."""
-
-
-_TOTALS_LOCK = threading.Lock()
+"""The HDO's methods timed, and the name each is reported under."""
 
 
 @contextlib.contextmanager
@@ -43,8 +34,7 @@ def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator
         try:
             return original(*args, **kwargs)
         finally:
-            with _TOTALS_LOCK:  # parts run on the host steps' worker thread too
-                totals[label] += time.perf_counter() - start
+            totals[label] += time.perf_counter() - start
 
     setattr(target, name, timed)
     try:

@@ -45,7 +45,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_host_thread import HostSteps
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
     PartedCopy,
@@ -172,11 +171,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # moved in parts of this size, each a bucket of the pipeline, where their sub-optimizer is
     # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
     host_part_bytes = 0
-
-    # Step the host buckets on a worker thread while the calling thread runs the in-place
-    # step and queues the copies (see hybrid_optimizer_host_thread); False steps them between
-    # those, on the calling thread.
-    host_steps_on_thread = True
 
     def __init__(
         self,
@@ -660,13 +654,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # that is when the download of the bucket that reuses the slot is queued.
         for index in self._ring_plan.first_downloads:
             self._download(index)
-        if self.host_steps_on_thread and self._buckets:
-            self._step_beside_host_steps()
-        else:
-            self._step_in_place()
-            for bucket in self._buckets:
-                self._step_host_bucket(bucket)
-                self._after_host_step(bucket)
+        self._step_in_place()
+        for bucket in self._buckets:
+            self._step_host_bucket(bucket)
+            self._after_host_step(bucket)
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
@@ -682,24 +673,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
-
-    def _step_beside_host_steps(self):
-        """The in-place step and the copies' queueing here, while a worker thread steps the
-        host buckets in order (see :mod:`hybrid_optimizer_host_thread`)."""
-        followers = {bucket.follower for bucket in self._buckets if bucket.follower is not None}
-        worker = HostSteps(self._buckets, self._step_host_bucket)
-        try:
-            for index in range(len(self._buckets)):
-                if index not in followers:  # downloaded above, or stepped without a download
-                    worker.queued(index)
-            self._step_in_place()
-            for _ in self._buckets:
-                bucket = worker.stepped()
-                self._after_host_step(bucket)
-                if bucket.follower is not None:
-                    worker.queued(bucket.follower)
-        finally:
-            worker.close()
 
     def _step_in_place(self):
         """The in-place sub-optimizer's step, if there is one."""
