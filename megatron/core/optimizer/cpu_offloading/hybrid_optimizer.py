@@ -31,6 +31,7 @@ import torch
 
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_beside import run_beside
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # re-exported
     _Bucket,
     _nbytes,
@@ -171,6 +172,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # moved in parts of this size, each a bucket of the pipeline, where their sub-optimizer is
     # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
     host_part_bytes = 0
+
+    # Run the in-place sub-optimizer's step on a worker thread while this thread steps the host
+    # buckets (see hybrid_optimizer_beside); False runs it first, on this thread.
+    in_place_step_on_thread = False
 
     def __init__(
         self,
@@ -654,10 +659,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # that is when the download of the bucket that reuses the slot is queued.
         for index in self._ring_plan.first_downloads:
             self._download(index)
-        self._step_in_place()
-        for bucket in self._buckets:
-            self._step_host_bucket(bucket)
-            self._after_host_step(bucket)
+        beside = self.in_place_step_on_thread and self.gpu_optimizer is not None
+        with run_beside(self._step_in_place, beside and bool(self._buckets)):
+            for bucket in self._buckets:
+                self._step_host_bucket(bucket)
+                self._after_host_step(bucket)
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access

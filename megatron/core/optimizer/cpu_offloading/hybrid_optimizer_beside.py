@@ -1,0 +1,64 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""The in-place sub-optimizer's step on a thread of its own, beside the host steps.
+
+TE's FusedAdam walks its parameters in Python before its kernels (tens of ms for thousands of
+tensors), and on the thread that calls ``step()`` that adds to the host steps. Host AdamW must
+stay on that thread: off it, torch's OpenMP regions get a second team and both teams sleep
+between regions (``benchmarks/host_adam_threads.py``). The in-place step has no OpenMP
+regions of note, only Python and kernel launches, and the host kernels release the GIL, so it
+can run on a worker thread while the calling thread steps the host buckets.
+
+CUDA's current device and stream and torch's grad mode are per thread: the worker takes the
+caller's, so the in-place kernels queue on the caller's stream in the caller's order.
+"""
+
+import contextlib
+import threading
+from typing import Callable, Iterator, List
+
+import torch
+
+
+@contextlib.contextmanager
+def run_beside(work: Callable[[], None], on_thread: bool) -> Iterator[None]:
+    """Run ``work`` on a worker thread while the ``with`` body runs, or before it.
+
+    The worker is joined when the body ends, however it ends, so that no thread outlives the
+    step. Its exception is raised then, unless the body raised one, which goes on instead.
+
+    Args:
+        work: what runs beside the body (the in-place step).
+        on_thread: run it on a worker thread; False runs it first, on this thread.
+    """
+    if not on_thread:
+        work()
+        yield
+        return
+    errors: List[BaseException] = []
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+
+    def run():
+        try:
+            with torch.no_grad(), _on_caller_stream(stream):
+                work()
+        except BaseException as error:  # pylint: disable=broad-except
+            errors.append(error)  # raised again on the calling thread
+
+    worker = threading.Thread(target=run, name="hdo-in-place-step", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        worker.join()
+    if errors:
+        raise errors[0]
+
+
+def _on_caller_stream(stream) -> contextlib.AbstractContextManager:
+    """The caller's CUDA device and current stream on this thread (nothing without CUDA)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(stream.device))
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
