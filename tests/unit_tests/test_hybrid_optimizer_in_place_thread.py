@@ -80,17 +80,31 @@ def test_the_in_place_step_on_a_worker_steps_exactly_as_on_the_caller(monkeypatc
 
 def test_the_in_place_step_runs_while_the_host_steps_run(monkeypatch):
     params, optimizer = make(True, monkeypatch)
-    host_stepped = threading.Event()
-    seen = []
-    for sub in optimizer.cpu_optimizers:
-        sub.register_step_pre_hook(lambda *_: host_stepped.set())
-    # The in-place step starts first and waits for a host step: only concurrency lets it go on.
-    optimizer.gpu_optimizer.register_step_pre_hook(
-        lambda *_: seen.append(host_stepped.wait(timeout=10))
-    )
+    # The in-place step and the first host step meet halfway: run one after the other, in
+    # either order, the first to arrive waits in vain and the barrier breaks.
+    meeting = threading.Barrier(2, timeout=10)
+    met = []
+
+    def meet(*_):
+        try:
+            meeting.wait()
+            met.append(True)
+        except threading.BrokenBarrierError:
+            met.append(False)
+
+    optimizer.cpu_optimizers[0].register_step_pre_hook(meet)
+    optimizer.gpu_optimizer.register_step_pre_hook(meet)
     hand_out_grads(params)
     optimizer.step()
-    assert seen == [True]
+    assert met == [True, True]
+
+
+def test_state_is_listed_in_parameter_order(monkeypatch):
+    for on_thread in (True, False):
+        params, optimizer = make(on_thread, monkeypatch)
+        hand_out_grads(params)
+        optimizer.step()
+        assert list(optimizer.state) == params, on_thread
 
 
 def test_an_error_in_the_in_place_step_reaches_the_caller(monkeypatch):
@@ -121,9 +135,10 @@ def test_an_error_in_a_host_step_waits_for_the_worker_and_wins(monkeypatch):
     optimizer.cpu_optimizers[0].register_step_pre_hook(fail)
     optimizer.gpu_optimizer.register_step_pre_hook(slow_in_place_failure)
     hand_out_grads(params)
-    with pytest.raises(RuntimeError, match="host step failed"):
+    with pytest.raises(RuntimeError, match="host step failed") as raised:
         optimizer.step()
     assert finished == [True]  # the step returned only once the worker had ended
+    assert "in-place step failed" in str(raised.value.__context__)
     assert not workers_alive()
 
 

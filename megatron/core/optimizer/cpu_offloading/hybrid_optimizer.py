@@ -660,21 +660,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for index in self._ring_plan.first_downloads:
             self._download(index)
         beside = self.in_place_step_on_thread and self.gpu_optimizer is not None
-        with run_beside(self._step_in_place, beside and bool(self._buckets)):
-            for bucket in self._buckets:
-                self._step_host_bucket(bucket)
-                self._after_host_step(bucket)
+        device = None
+        if beside:  # the in-place kernels queue on the caller's stream of their device
+            first = next(iter(_param_generator(self.gpu_optimizer)), None)
+            device = None if first is None else first.device
+        try:
+            with run_beside(self._step_in_place, beside and bool(self._buckets), device):
+                for bucket in self._buckets:
+                    self._step_host_bucket(bucket)
+                    self._after_host_step(bucket)
+        finally:
+            for param in lent:
+                param.grad = None
+            if self._h2d_stream is not None:
+                # Uploads read the host copies until they finish; waiting here, even after a
+                # failed step, means nothing on the host (a checkpoint load, the next step) can
+                # write a copy still being read.
+                self._h2d_stream.synchronize()
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
             for clone in clones:
                 clone.grad = None  # the widened gradient is only needed for this step
-        for param in lent:
-            param.grad = None
-        if self._h2d_stream is not None:
-            # Uploads read the host copies until they finish; waiting here means nothing on
-            # the host (a checkpoint load, the next step) can write a copy still being read.
-            self._h2d_stream.synchronize()
 
         self._mirror_group_steps(steps_before)
         self._list_created_state()
@@ -863,7 +870,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         created = self._state_changes.created
         if not created:
             return
-        for entry in created:
+        # In parameter order: the in-place step may create its state on another thread.
+        order = {id(entry): index for index, entry in enumerate(self._entries.values())}
+        for entry in sorted(created, key=lambda entry: order.get(id(entry), len(order))):
             self._list_entry(entry)
         created.clear()
 

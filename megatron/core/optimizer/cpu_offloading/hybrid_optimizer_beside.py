@@ -9,33 +9,41 @@ regions of note, only Python and kernel launches, and the host kernels release t
 can run on a worker thread while the calling thread steps the host buckets.
 
 CUDA's current device and stream and torch's grad mode are per thread: the worker takes the
-caller's, so the in-place kernels queue on the caller's stream in the caller's order.
+caller's stream of the in-place parameters' device, so their kernels queue in the caller's
+order, and gradients are off.
 """
 
 import contextlib
 import threading
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
 
 @contextlib.contextmanager
-def run_beside(work: Callable[[], None], on_thread: bool) -> Iterator[None]:
+def run_beside(
+    work: Callable[[], None], on_thread: bool, device: Optional[torch.device] = None
+) -> Iterator[None]:
     """Run ``work`` on a worker thread while the ``with`` body runs, or before it.
 
     The worker is joined when the body ends, however it ends, so that no thread outlives the
-    step. Its exception is raised then, unless the body raised one, which goes on instead.
+    step. Its exception is raised then; where the body raised one, that one goes on, with the
+    worker's as its context.
 
     Args:
         work: what runs beside the body (the in-place step).
         on_thread: run it on a worker thread; False runs it first, on this thread.
+        device: where ``work`` launches its kernels: a CUDA device gets the caller's current
+            stream of that device on the worker.
     """
     if not on_thread:
         work()
         yield
         return
     errors: List[BaseException] = []
-    stream = torch.cuda.current_stream() if torch.cuda.is_available() else None
+    stream = None
+    if device is not None and device.type == "cuda":
+        stream = torch.cuda.current_stream(device)
 
     def run():
         try:
@@ -48,14 +56,18 @@ def run_beside(work: Callable[[], None], on_thread: bool) -> Iterator[None]:
     worker.start()
     try:
         yield
-    finally:
+    except BaseException as error:
         worker.join()
+        if errors and error.__context__ is None:
+            error.__context__ = errors[0]
+        raise
+    worker.join()
     if errors:
         raise errors[0]
 
 
 def _on_caller_stream(stream) -> contextlib.AbstractContextManager:
-    """The caller's CUDA device and current stream on this thread (nothing without CUDA)."""
+    """The caller's CUDA device and stream on this thread (nothing where there is none)."""
     if stream is None:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
