@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator
 import torch
 
 PARTS = {
-    "_set_sub_optimizer_grads": "in-place grads",
+    "_widen_clone_grads": "in-place grads",
     "_download": "download queueing",
     "_upload": "upload queueing",
 }

@@ -648,7 +648,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._sync_hdo_param_groups_to_sub_optimizers()
         self._settle_state_written_outside()
         self._allocate_ring()
-        lent = self._set_sub_optimizer_grads()
+        lent = self._lend_decoupled_grads()
         for stream in (self._d2h_stream, self._h2d_stream):
             if stream is not None:  # the gradients and parameters are the current stream's
                 stream.wait_stream(torch.cuda.current_stream())
@@ -665,7 +665,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             first = next(iter(_param_generator(self.gpu_optimizer)), None)
             device = None if first is None else first.device
         try:
-            with run_beside(self._step_in_place, beside and bool(self._buckets), device):
+            with run_beside(self._step_in_place_whole, beside and bool(self._buckets), device):
                 for bucket in self._buckets:
                     self._step_host_bucket(bucket)
                     self._after_host_step(bucket)
@@ -677,12 +677,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 # failed step, means nothing on the host (a checkpoint load, the next step) can
                 # write a copy still being read.
                 self._h2d_stream.synchronize()
-        if self._clones_in_place:
-            params, clones = (list(t) for t in zip(*self._clones_in_place))
-            torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
-            for clone in clones:
-                clone.grad = None  # the widened gradient is only needed for this step
-
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
@@ -731,20 +725,34 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
         """Give the inner tensors stepped in place their gradients for this step.
 
-        fp32 clones get the widened gradient. torch and TE optimizers read ``grad``, while the
-        precision-aware distributed optimizer leaves fp32 shards their gradient in
-        ``decoupled_grad`` only, so parameters stepped as they are borrow it. The host
+        fp32 clones get the widened gradient (``_widen_clone_grads``); parameters stepped as
+        they are borrow ``decoupled_grad`` (``_lend_decoupled_grads``). The host
         sub-optimizers' gradients are downloaded bucket by bucket during the step, into the
         ring's slots (``_download``).
 
         Returns:
             The parameters that borrowed a gradient, to be cleared after the step.
         """
+        self._widen_clone_grads()
+        return self._lend_decoupled_grads()
+
+    def _widen_clone_grads(self):
+        """Give each fp32 clone stepped in place its parameter's gradient, widened."""
         if self._clones_in_place:
             clones = [clone for _, clone in self._clones_in_place]
             grads = [_grad_of(param) for param, _ in self._clones_in_place]
             for clone, grad in zip(clones, _widened(grads)):
                 clone.grad = grad
+
+    def _lend_decoupled_grads(self) -> List[torch.Tensor]:
+        """Lend ``decoupled_grad`` as ``grad`` to the parameters stepped as they are.
+
+        torch and TE optimizers read ``grad``, while the precision-aware distributed optimizer
+        leaves fp32 shards their gradient in ``decoupled_grad`` only.
+
+        Returns:
+            The parameters that borrowed a gradient, to be cleared after the step.
+        """
         lent = []
         for param in self._stepped_as_is:
             decoupled = getattr(param, "decoupled_grad", None)
@@ -752,6 +760,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 param.grad = decoupled.to(param.dtype)
                 lent.append(param)
         return lent
+
+    def _step_in_place_whole(self):
+        """All the in-place side of a step: the clones' widened gradients, the in-place
+        sub-optimizer's step, and the clones copied back into their parameters."""
+        self._widen_clone_grads()
+        self._step_in_place()
+        if self._clones_in_place:
+            params, clones = (list(t) for t in zip(*self._clones_in_place))
+            torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
+            for clone in clones:
+                clone.grad = None  # the widened gradient is only needed for this step
 
     def _register_param_copy_back_gpu_hook(self):
         """Nothing to register: ``step`` uploads each host bucket itself, as soon as it is

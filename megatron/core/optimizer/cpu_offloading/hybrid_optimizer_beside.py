@@ -4,7 +4,8 @@
 TE's FusedAdam walks its parameters in Python before its kernels (tens of ms for thousands of
 tensors), and on the thread that calls ``step()`` that adds to the host steps. Host AdamW must
 stay on that thread: off it, torch's OpenMP regions get a second team and both teams sleep
-between regions (``benchmarks/host_adam_threads.py``). The in-place step has no OpenMP
+between regions (``benchmarks/host_adam_threads.py``). The in-place side of the step (its
+fp32 clones' widened gradients, the in-place step, the clones copied back) has no OpenMP
 regions of note, only Python and kernel launches, and the host kernels release the GIL, so it
 can run on a worker thread while the calling thread steps the host buckets.
 
@@ -31,7 +32,7 @@ def run_beside(
     worker's as its context.
 
     Args:
-        work: what runs beside the body (the in-place step).
+        work: what runs beside the body (the in-place side of the step).
         on_thread: run it on a worker thread; False runs it first, on this thread.
         device: where ``work`` launches its kernels: a CUDA device gets the caller's current
             stream of that device on the worker.
