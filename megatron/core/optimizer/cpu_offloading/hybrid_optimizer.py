@@ -173,8 +173,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
     host_part_bytes = 0
 
-    # Run the in-place sub-optimizer's step on a worker thread while this thread steps the host
-    # buckets (see hybrid_optimizer_beside); False runs it first, on this thread.
+    # Run the in-place side of the step (the clones' widened gradients, the in-place step, the
+    # clones copied back) on a worker thread while this thread steps the host buckets (see
+    # hybrid_optimizer_beside); False runs it first, on this thread.
     in_place_step_on_thread = False
 
     def __init__(
