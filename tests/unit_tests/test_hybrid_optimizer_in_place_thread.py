@@ -109,14 +109,17 @@ def test_state_is_listed_in_parameter_order(monkeypatch):
 
 def test_an_error_in_the_in_place_step_reaches_the_caller(monkeypatch):
     params, optimizer = make(True, monkeypatch)
+    where = []
 
     def fail(*_):
+        where.append(threading.current_thread().name)
         raise RuntimeError("in-place step failed")
 
     optimizer.gpu_optimizer.register_step_pre_hook(fail)
     hand_out_grads(params)
     with pytest.raises(RuntimeError, match="in-place step failed"):
         optimizer.step()
+    assert where == [WORKER]  # raised on the worker, raised again here
     assert not workers_alive()
 
 
