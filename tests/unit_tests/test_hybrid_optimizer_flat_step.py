@@ -1,8 +1,9 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
-"""A packed host bucket is stepped in one fused call, exactly as copy by copy.
+"""A host bucket is stepped in one fused call, exactly as copy by copy.
 
 Once a packed bucket's moments are views into blocks laid out like its host copies, its runs
-of copies are single tensors of one fused AdamW call (``FlatAdamStep``). Each test runs that
+of copies are single tensors of one fused AdamW call (``FlatAdamStep``); a bucket of one copy
+is that call over the copy itself. Each test runs that
 beside the straightforward optimizer (every parameter a bucket of its own, or the same buckets
 stepped copy by copy) on the same inputs and compares parameters and state with
 ``torch.equal``, with sizes that are not multiples of a vector (whose last elements the kernel
@@ -100,6 +101,44 @@ def test_after_the_first_step_flat_buckets_never_call_their_sub_optimizer(monkey
     reference.state.clear()
     train(reference_params, reference, 3, seed=2)
     assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_a_bucket_of_one_copy_is_stepped_by_the_kernel_alone(monkeypatch):
+    """A copy in a bucket of its own (larger than the cap; here every copy) is stepped by the
+    fused kernel over the copy itself, its state created there too, never by its
+    sub-optimizer after the first step, exactly as the sub-optimizer steps it."""
+    params, optimizer = make(0, monkeypatch)
+    train(params, optimizer, 1, seed=1)
+    singles = [bucket for bucket in optimizer._buckets if len(bucket.hosts) == 1]
+    assert len(singles) == len(SIZES)
+    assert all(bucket.flat is not None for bucket in singles)
+    calls = []
+    for bucket in singles:
+        bucket.optimizer.step = lambda *args, _b=bucket, **kwargs: calls.append(_b)
+    optimizer.state.clear()
+    train(params, optimizer, 3, seed=2)
+    assert not calls
+    reference_params, reference = make(0, monkeypatch, flat=False)
+    train(reference_params, reference, 1, seed=1)
+    reference.state.clear()
+    train(reference_params, reference, 3, seed=2)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
+def test_a_copy_a_client_re_points_is_stepped_where_it_now_lives(monkeypatch):
+    """A host copy whose ``.data`` is replaced between steps (as pinning or a client's move
+    does) is stepped in its new memory, alone in its bucket or packed with others."""
+
+    def re_point(optimizer):
+        for host in list(optimizer.gpu_params_map_cpu_copy.values())[::2]:
+            host.data = host.clone()
+
+    for bucket_bytes in (0, BUCKET_BYTES):
+        params, optimizer = make(bucket_bytes, monkeypatch)
+        train(params, optimizer, 3, seed=4, between=re_point)
+        reference_params, reference = make(bucket_bytes, monkeypatch, flat=False)
+        train(reference_params, reference, 3, seed=4, between=re_point)
+        assert_same((params, optimizer), (reference_params, reference))
 
 
 def test_runs_join_copies_of_whole_lines_and_end_at_any_other():

@@ -552,6 +552,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for host in plan.masters_to_pin:
             # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
             host.data = host.pin_memory()
+        for bucket in self._buckets:
+            if not bucket.packed and bucket.grads and bucket.part is None:
+                self._make_flat(bucket)  # after pinning: the step views the copy's memory
         on_cuda = [b for b in self._buckets if b.packed and b.params[0].is_cuda]
         if on_cuda:
             # Two buffers of the largest packed bucket: gradients gather in one (on the D2H
@@ -569,13 +572,26 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _pack(self, bucket: _Bucket, pin: bool):
         """Lay the bucket's host copies out as one block; step it flat where it can be."""
         pack_host_copies(bucket, pin)
+        self._make_flat(bucket)
+
+    def _make_flat(self, bucket: _Bucket):
+        """Give the bucket its one-call step (``FlatAdamStep``) where its sub-optimizer is
+        torch's fused Adam or AdamW over its copies: a packed bucket over its block, a bucket
+        of one copy over the copy itself (a kernel call instead of the optimizer's Python)."""
         bucket.flat = None
+        master = bucket.master
+        if master is None:  # one whole copy, whose gradient starts its slot
+            host = bucket.hosts[0] if len(bucket.hosts) == 1 else None
+            if host is None or not host.is_contiguous() or bucket.grads[0][2] != 0:
+                return
+            master = host.view(-1).view(torch.uint8)
+            bucket.master_ptrs = [host.data_ptr()]
         if self.flat_host_steps and suits(bucket.optimizer, bucket.hosts):
             bucket.flat = FlatAdamStep(
                 bucket.optimizer,
                 [self._entries_by_inner[host] for host in bucket.hosts],
                 [(offset, _nbytes(host)) for host, _, offset in bucket.grads],
-                bucket.master,
+                master,
                 self._ring[bucket.slot],
             )
 
@@ -786,8 +802,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         into the device staging buffer and come down in one copy.
         """
         bucket = self._buckets[index]
-        if bucket.master is not None and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
-            self._pack(bucket, bucket.master.is_pinned())  # a copy was re-pointed
+        if bucket.master_ptrs and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
+            # A copy was re-pointed (its ``.data`` replaced): its block or step views old memory.
+            if bucket.master is not None:
+                self._pack(bucket, bucket.master.is_pinned())
+            else:
+                self._make_flat(bucket)
         grads = [_grad_of(param) for param in bucket.params]
         bucket.keep = None
         if any(grad is None for grad in grads):

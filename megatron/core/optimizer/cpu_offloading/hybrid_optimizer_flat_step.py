@@ -1,12 +1,15 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
-"""One fused AdamW call over a packed host bucket instead of one parallel region per copy.
+"""One fused AdamW call per host bucket instead of the sub-optimizer's step.
 
 Torch's fused host Adam visits the tensors of its list one by one, each in a parallel region
 of its own, and gathers them in Python first; with thousands of small shards (a GPT or MoE
 model under the distributed optimizer) that per-tensor cost is a large part of the step. A
 packed bucket's host copies are already views into one block laid out as their gradients are
 staged (:func:`~.hybrid_optimizer_copies.pack_host_copies`); once their moments are laid out
-alike, a run of adjacent copies is one tensor for the kernel, and the bucket is one call.
+alike, a run of adjacent copies is one tensor for the kernel, and the bucket is one call. A
+bucket of one copy (a parameter larger than the bucket cap) is stepped the same way over the
+copy itself: the kernel call alone, without the sub-optimizer's Python around it (gathering
+the state, grouping by device and dtype, counting the step in a call of its own).
 
 Every element gets the operations the per-copy step gives it. The kernel runs a vector loop
 over each tensor and a scalar loop over its last partial vector, and the two may round
@@ -69,7 +72,7 @@ def suits(optimizer: torch.optim.Optimizer, hosts: List[torch.Tensor]) -> bool:
     own fused Adam or AdamW over exactly these copies, all of one floating-point dtype."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
-    if len(optimizer.param_groups) != 1 or len(hosts) < 2:
+    if len(optimizer.param_groups) != 1 or not hosts:
         return False
     params = optimizer.param_groups[0]["params"]
     if len(params) != len(hosts) or not all(map(operator.is_, params, hosts)):
@@ -129,7 +132,7 @@ class FlatAdamStep:
         # One counter serves its whole run, so all must agree. Their values are read on every
         # step: a write through ``.data`` or a collective leaves no trace on the tensors.
         steps = counters[0].as_strided((len(counters),), (1,))
-        if not bool((steps == steps[0]).all()):
+        if len(counters) > 1 and not bool((steps == steps[0]).all()):
             self._seen = None
             return False
         steps.add_(1)
