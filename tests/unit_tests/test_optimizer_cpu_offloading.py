@@ -947,6 +947,29 @@ def test_a_slot_stages_only_the_pageable_uploads_of_its_last_bucket(overlap, mon
     assert_matches_reference(optimizer, params, masters, references)
 
 
+@requires_cuda
+def test_pageable_copies_go_up_through_their_slot_before_it_is_reused(monkeypatch):
+    """A large first bucket widens the ring, so upstream's pinned budget leaves copies
+    pageable whose slot the bucket three later reuses. Each still goes up through its pinned
+    slot (no upload from pageable memory, which blocks the host), and the later download into
+    that slot waits for the upload: the results are those of the straightforward path."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 64 * 4)
+    params = flat_params([256] + [64] * 7, torch.bfloat16)
+    masters, references = train_masters_reference(params, _second_group_settings, 3, seed=6)
+    optimizer = make_optimizer(params, 1.0)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        train_drawn(params, optimizer, 3, seed=6)
+    followed = [
+        bucket
+        for bucket in optimizer._buckets
+        if bucket.follower is not None and not bucket.hosts[0].is_pinned()
+    ]
+    assert followed, "no pageable copy has a bucket after it in its slot"
+    names = {event.name for event in profile.events()}
+    assert not [name for name in names if "Pageable" in name and "HtoD" in name], names
+    assert_matches_reference(optimizer, params, masters, references)
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.0])
 def test_fp32_params_with_only_a_decoupled_grad_are_stepped_in_place_too(fraction):
     """The precision-aware distributed optimizer hands fp32 shards their gradient as

@@ -212,6 +212,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._d2h_stream, self._h2d_stream = self._make_streams()
         # D2H event of each host sub-optimizer whose gradients are on their way (in a step).
         self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
+        # H2D event of each ring slot that a pageable copy is going up through (in a step).
+        self._slot_uploads: Dict[int, Any] = {}
         self._state_changes = StateChanges()
         self.state = StateMap(self._entry_of)
         self._load_guard = checks.LoadGuard(type(self).__name__)
@@ -672,8 +674,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         steps_before = [sub_group.get("step") for sub_group, _ in self._sub_groups]
 
         # D2H -> host step -> H2D, one bucket after the other. A bucket's slot is free again
-        # once its host step has returned (the upload reads the host copy, not the slot), so
-        # that is when the download of the bucket that reuses the slot is queued.
+        # once its host step has returned and its upload is queued, so that is when the
+        # download of the bucket that reuses the slot is queued (behind the upload, on the D2H
+        # stream, where a pageable copy goes up through the slot).
         for index in self._ring_plan.first_downloads:
             self._download(index)
         beside = self.in_place_step_on_thread and self.gpu_optimizer is not None
@@ -694,6 +697,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 # failed step, means nothing on the host (a checkpoint load, the next step) can
                 # write a copy still being read.
                 self._h2d_stream.synchronize()
+            self._slot_uploads.clear()
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
@@ -716,7 +720,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bucket.flat.lay_out()  # so that the next step can be flat
 
     def _after_host_step(self, bucket: _Bucket) -> None:
-        """Queue the download that reuses the stepped bucket's slot, then its upload.
+        """Queue the stepped bucket's upload, then the download that reuses its slot.
 
         A part of a copy is stepped here, since its step may also release the uploads of the
         parts before it (a copy whose parts are gathered goes up once its last has landed).
@@ -724,10 +728,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ready = [bucket]
         if bucket.parted is not None:
             ready = self._step_part(bucket)
+        for stepped in ready:
+            self._upload(stepped, staged_in_slot=stepped is bucket)
         if bucket.follower is not None:
             self._download(bucket.follower)
-        for stepped in ready:
-            self._upload(stepped, staged_in_slot=stepped.follower is None and stepped is bucket)
 
     def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
         """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""
@@ -818,6 +822,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 host.grad = lent
         grads = bucket.kept(grads)
         with _on_stream(self._d2h_stream):
+            staged_upload = self._slot_uploads.pop(bucket.slot, None)
+            if staged_upload is not None:  # the slot still holds a copy on its way up
+                self._d2h_stream.wait_event(staged_upload)
             if bucket.part is not None:  # a strided gradient is made dense here, on this stream
                 grads = [bucket.sliced(grad.contiguous()) for grad in grads]
             if bucket.down and grads:
@@ -846,24 +853,28 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         Args:
             bucket: the bucket just stepped (``keep`` says which copies were).
-            staged_in_slot: the bucket's slot is free for the rest of the step (no download
-                follows it), so pageable copies go up through it.
+            staged_in_slot: the bucket's slot is its own now (its gradients are stepped), so
+                pageable copies go up through it; the download that reuses the slot waits for
+                that upload (``_slot_uploads``).
         """
         params = bucket.kept(bucket.params)
         if not params:
             return
         stage = staged_in_slot and self._ring_plan.pin_slots
+        staged = False
         with _on_stream(self._h2d_stream):
             if bucket.master is not None:
                 source = bucket.master
                 if stage and not source.is_pinned():
-                    # See below: one host copy of the block into the free pinned slot.
+                    # See below: one host copy of the block into the pinned slot.
                     source = self._ring[bucket.slot][: bucket.nbytes].copy_(source)
+                    staged = True
                 if bucket.up:
                     self._device_staging[1][: bucket.nbytes].copy_(source, non_blocking=True)
                     torch._foreach_copy_(params, bucket.kept(bucket.up))  # narrows on the device
                 else:
                     torch._foreach_copy_(params, bucket.kept(bucket.hosts))
+                self._note_slot_upload(bucket, staged)
                 return
             for host, param, slot_view in zip(
                 bucket.kept(bucket.hosts), params, bucket.kept(bucket.views)
@@ -876,6 +887,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     # gradient was) is faster and lets the upload run behind it.
                     source = slot_view
                     source.copy_(host)
+                    staged = True
                 if param.is_cuda and host.dtype != param.dtype:
                     # Narrow on the device. The staging tensor is allocated on this stream, so
                     # the caching allocator hands its memory out again only in this stream's
@@ -883,6 +895,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     narrowed = torch.empty_like(host, device=param.device)
                     source = narrowed.copy_(source, non_blocking=True)
                 param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
+            self._note_slot_upload(bucket, staged)
+
+    def _note_slot_upload(self, bucket: _Bucket, staged: bool):
+        """Where a copy went up through the bucket's slot, keep the upload's event for the
+        download that reuses the slot (``_download`` waits for it on the D2H stream)."""
+        if staged and bucket.follower is not None:
+            self._slot_uploads[bucket.slot] = self._h2d_stream.record_event()
 
     def _mirror_group_steps(self, steps_before: List[Any]):
         """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
