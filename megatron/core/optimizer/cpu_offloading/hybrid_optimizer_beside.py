@@ -15,10 +15,15 @@ order, and gradients are off.
 """
 
 import contextlib
+import sys
 import threading
 from typing import Callable, Iterator, List, Optional
 
 import torch
+
+# Seconds a thread may hold the GIL while another waits for it, while the worker runs. CPython's
+# default (5 ms) let the worker's Python keep the calling thread waiting after each host kernel.
+SWITCH_INTERVAL_S = 1e-4
 
 
 @contextlib.contextmanager
@@ -54,15 +59,20 @@ def run_beside(
             errors.append(error)  # raised again on the calling thread
 
     worker = threading.Thread(target=run, name="hdo-in-place-step", daemon=True)
-    worker.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SWITCH_INTERVAL_S))
     try:
-        yield
-    except BaseException as error:
+        worker.start()
+        try:
+            yield
+        except BaseException as error:
+            worker.join()
+            if errors and error.__context__ is None:
+                error.__context__ = errors[0]
+            raise
         worker.join()
-        if errors and error.__context__ is None:
-            error.__context__ = errors[0]
-        raise
-    worker.join()
+    finally:
+        sys.setswitchinterval(interval)
     if errors:
         raise errors[0]
 
