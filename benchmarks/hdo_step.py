@@ -43,7 +43,7 @@ import time
 
 import torch
 from hdo_cases import CASES, case_numels
-from hdo_step_breakdown import breakdown
+from hdo_step_breakdown import breakdown, profile
 
 from megatron_optimizer_fork import load_upstream_module
 from megatron_optimizer_fork.memory import pinned_bytes_held, pinned_bytes_in_use
@@ -307,6 +307,8 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
     }
     if args.breakdown:  # after the digest: these steps change the parameters
         result["breakdown_ms"] = breakdown(optimizer, hand_out_grads)
+    if args.profile:
+        result["profile"] = profile(optimizer, hand_out_grads)
     del optimizer, params, grads
     gc.collect()
     return result
@@ -343,6 +345,7 @@ def run_worker(args, name, fraction, overlap):
         "--in-place",
         args.in_place,
         *(["--breakdown"] if args.breakdown else []),
+        *(["--profile"] if args.profile else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -418,6 +421,13 @@ def parse_args(argv=None):
         action="store_true",
         help="after the timed steps, time the parts of the fork's step (host steps, copies' "
         "queueing, the in-place step) over three more and print them under its row",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, run two more under torch.profiler and cProfile and print "
+        "what they spent their time on (operators, CUDA calls and copies, Python functions) "
+        "under each row",
     )
     parser.add_argument("--out", default="results", help="folder of the JSON file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -558,6 +568,8 @@ def main():
                         print(
                             "    ms a step: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
                         )
+                    for title, text in result.get("profile", {}).items():
+                        print(f"    profile ({title}), {name} {case} {fraction}:\n{text}")
                 sys.stdout.flush()
                 with open(path, "w", encoding="utf-8") as out:
                     summary = {**vars(args), "case": cases}

@@ -57,7 +57,7 @@ class PhasePeaks:
         """Measure the block as phase ``name``."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        with _profiled(self.profile) as profilers:
+        with profiled(self.profile) as profilers:
             began = time.perf_counter()
             yield
             torch.cuda.synchronize()
@@ -106,7 +106,7 @@ class GcClock:
 
 
 @contextlib.contextmanager
-def _profiled(enabled):
+def profiled(enabled):
     """``(torch profiler, cProfile, GcClock)`` running over the block, or ``()`` when not
     ``enabled``."""
     if not enabled:
