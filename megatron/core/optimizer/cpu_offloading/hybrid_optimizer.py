@@ -557,6 +557,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             if not bucket.packed and bucket.grads and bucket.part is None:
                 self._make_flat(bucket)  # after pinning: the step views the copy's memory
+            if bucket.grads:
+                self._note_layout(bucket)
         on_cuda = [b for b in self._buckets if b.packed and b.params[0].is_cuda]
         if on_cuda:
             # Two buffers of the largest packed bucket: gradients gather in one (on the D2H
@@ -587,7 +589,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if host is None or not host.is_contiguous() or bucket.grads[0][2] != 0:
                 return
             master = host.view(-1).view(torch.uint8)
-            bucket.master_ptrs = [host.data_ptr()]
         if self.flat_host_steps and suits(bucket.optimizer, bucket.hosts):
             bucket.flat = FlatAdamStep(
                 bucket.optimizer,
@@ -596,6 +597,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 master,
                 self._ring[bucket.slot],
             )
+
+    @staticmethod
+    def _note_layout(bucket: _Bucket):
+        """Note where the bucket's copies live and whether their memory is pinned, so that an
+        upload need not ask the driver; ``_download`` notices a copy re-pointed since."""
+        bucket.master_ptrs = [host.data_ptr() for host in bucket.hosts]
+        if bucket.master is not None:
+            bucket.pinned = [bucket.master.is_pinned()] * len(bucket.hosts)
+        else:
+            bucket.pinned = [host.is_pinned() for host in bucket.hosts]
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
@@ -809,9 +820,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if bucket.master_ptrs and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
             # A copy was re-pointed (its ``.data`` replaced): its block or step views old memory.
             if bucket.master is not None:
-                self._pack(bucket, bucket.master.is_pinned())
-            else:
+                self._pack(bucket, bucket.pinned[0])
+            elif bucket.part is None:
                 self._make_flat(bucket)
+            self._note_layout(bucket)
         grads = [_grad_of(param) for param in bucket.params]
         bucket.keep = None
         if any(grad is None for grad in grads):
@@ -865,7 +877,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         with _on_stream(self._h2d_stream):
             if bucket.master is not None:
                 source = bucket.master
-                if stage and not source.is_pinned():
+                if stage and not bucket.pinned[0]:
                     # See below: one host copy of the block into the pinned slot.
                     source = self._ring[bucket.slot][: bucket.nbytes].copy_(source)
                     staged = True
@@ -876,12 +888,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     torch._foreach_copy_(params, bucket.kept(bucket.hosts))
                 self._note_slot_upload(bucket, staged)
                 return
-            for host, param, slot_view in zip(
-                bucket.kept(bucket.hosts), params, bucket.kept(bucket.views)
+            for host, param, slot_view, pinned in zip(
+                bucket.kept(bucket.hosts),
+                params,
+                bucket.kept(bucket.views),
+                bucket.kept(bucket.pinned),
             ):
                 host, param = bucket.sliced(host), bucket.sliced(param.data)
                 source = host
-                if stage and not host.is_pinned():
+                if stage and not pinned:
                     # An upload from pageable memory blocks the host until it is done, holding
                     # up the next host step; a host copy into the pinned slot (where this
                     # gradient was) is faster and lets the upload run behind it.

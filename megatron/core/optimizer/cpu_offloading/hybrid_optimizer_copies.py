@@ -124,8 +124,9 @@ class _Bucket:
         packed: the copies move as one block each way (several of them, on one device).
         views: the slot view each host copy has as its gradient (first step on).
         master: the flat block the packed host copies are views into (first step on).
-        master_ptrs: where each packed host copy starts in ``master``, to notice one that a
-            client re-pointed (its ``.data`` replaced).
+        master_ptrs: where each host copy started when its block, one-call step and
+            ``pinned`` were made, to notice one that a client re-pointed (``.data`` replaced).
+        pinned: whether each host copy's memory is pinned (a packed block's, for its copies).
         down: device views the gradients are gathered and widened into (packed, on CUDA).
         up: device views the uploaded block lands in, narrowed from there (packed, on CUDA).
         keep: indices of the copies that have a gradient in this step; None for all.
@@ -146,6 +147,7 @@ class _Bucket:
     views: List[torch.Tensor] = dataclasses.field(default_factory=list)
     master: Optional[torch.Tensor] = None
     master_ptrs: List[int] = dataclasses.field(default_factory=list)
+    pinned: List[bool] = dataclasses.field(default_factory=list)
     down: List[torch.Tensor] = dataclasses.field(default_factory=list)
     up: List[torch.Tensor] = dataclasses.field(default_factory=list)
     keep: Optional[List[int]] = None
