@@ -75,11 +75,6 @@ FORK_VARIANTS = {
         {"host_part_bytes": 16 << 20},
         "host copies larger than 16 MiB stepped and moved in parts of 16 MiB (host_part_bytes)",
     ),
-    "fork in-place thread": (
-        "in_place_thread",
-        {"in_place_step_on_thread": True},
-        "its in-place step on a worker thread beside the host steps (in_place_step_on_thread)",
-    ),
 }
 
 

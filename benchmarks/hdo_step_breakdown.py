@@ -3,16 +3,13 @@
 
 Used by ``hdo_step.py --breakdown`` after the timed steps (and after the parameters' digest,
 since these steps change them). The parts are the fork's own methods, so an upstream
-optimizer, or one without them, gets no breakdown. Each part is timed on the thread it runs
-on, including the time it waits (for a download to land, for the last upload): the parts add
-up to about the step, unless the in-place step runs beside the host steps on a thread of its
-own (``in_place_step_on_thread``).
+optimizer, or one without them, gets no breakdown. Each part is timed with the time it waits
+(for a download to land, for the last upload), so the parts add up to about the step.
 """
 
 import collections
 import contextlib
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator
@@ -29,8 +26,6 @@ PARTS = {
 }
 """The HDO's methods timed, and the name each is reported under."""
 
-_TOTALS_LOCK = threading.Lock()
-
 
 @contextlib.contextmanager
 def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator[None]:
@@ -43,8 +38,7 @@ def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator
         try:
             return original(*args, **kwargs)
         finally:
-            with _TOTALS_LOCK:  # the in-place step may run on a thread of its own
-                totals[label] += time.perf_counter() - start
+            totals[label] += time.perf_counter() - start
 
     setattr(target, name, timed)
     try:

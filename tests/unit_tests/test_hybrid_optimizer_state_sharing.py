@@ -27,6 +27,18 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 SHAPES = [(64, 32), (128,), (32, 32), (48,), (16, 8)]
 FRACTIONS = [0.0, 0.5, 1.0]
 
+
+def test_state_is_listed_in_parameter_order():
+    """``state`` lists every parameter once, in the order of the param groups, although the
+    in-place sub-optimizer creates its state before the host buckets do."""
+    params, optimizer = flows.build_hdo(HybridDeviceOptimizer, SHAPES, 0.5, device=DEVICE)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert optimizer.gpu_optimizer is not None and optimizer.cpu_optimizers
+    assert list(optimizer.state) == params
+
+
 # Upstream 0.19.2's members that clients and plugins call or probe.
 UPSTREAM_MEMBERS = [
     "_move_new_state_to_right_device",

@@ -31,7 +31,6 @@ import torch
 
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_beside import run_beside
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # re-exported
     _Bucket,
     _nbytes,
@@ -172,11 +171,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # moved in parts of this size, each a bucket of the pipeline, where their sub-optimizer is
     # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
     host_part_bytes = 0
-
-    # Run the in-place side of the step (the clones' widened gradients, the in-place step, the
-    # clones copied back) on a worker thread while this thread steps the host buckets (see
-    # hybrid_optimizer_beside); False runs it first, on this thread.
-    in_place_step_on_thread = False
 
     def __init__(
         self,
@@ -690,16 +684,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # stream, where a pageable copy goes up through the slot).
         for index in self._ring_plan.first_downloads:
             self._download(index)
-        beside = self.in_place_step_on_thread and self.gpu_optimizer is not None
-        device = None
-        if beside:  # the in-place kernels queue on the caller's stream of their device
-            first = next(iter(_param_generator(self.gpu_optimizer)), None)
-            device = None if first is None else first.device
         try:
-            with run_beside(self._step_in_place_whole, beside and bool(self._buckets), device):
-                for bucket in self._buckets:
-                    self._step_host_bucket(bucket)
-                    self._after_host_step(bucket)
+            # While the first downloads run; on the calling thread, since on a worker its Python
+            # and the host steps' would wait for each other's GIL (see docs/measurements.md).
+            self._step_in_place_whole()
+            for bucket in self._buckets:
+                self._step_host_bucket(bucket)
+                self._after_host_step(bucket)
         finally:
             for param in lent:
                 param.grad = None
@@ -944,7 +935,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         created = self._state_changes.created
         if not created:
             return
-        # In parameter order: the in-place step may create its state on another thread.
+        # In parameter order, whichever sub-optimizer made it first.
         order = {id(entry): index for index, entry in enumerate(self._entries.values())}
         for entry in sorted(created, key=lambda entry: order.get(id(entry), len(order))):
             self._list_entry(entry)
