@@ -52,12 +52,26 @@ FLAT_BLOCK_NUMEL = 4 << 20
 """fp32 elements of one of the fork HDO's host buckets (16 MiB), for ``adam flat s``."""
 
 
-def fork_class():
-    """The fork's HybridDeviceOptimizer as ``megatron.core`` resolves it."""
+TREE_PREFIX = "fork@"
+"""Rows of ``--fork-tree``: ``fork@PATH`` times the fork's modules of the checkout at PATH."""
+
+
+def fork_class(tree=None):
+    """The fork's HybridDeviceOptimizer as ``megatron.core`` resolves it, or from the
+    ``megatron/`` folder of checkout ``tree`` (in a worker, before anything imported it)."""
     # pylint: disable=import-outside-toplevel
+    if tree is not None:
+        import megatron_optimizer_fork as overlay
+
+        root = os.path.abspath(tree)
+        if not os.path.isdir(os.path.join(root, "megatron", "core", "optimizer")):
+            raise SystemExit(f"--fork-tree {tree}: no megatron/core/optimizer there")
+        overlay.fork_root = lambda: root  # the overlay's finder asks for it at each import
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     assert getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), "overlay is off"
+    if tree is not None and not os.path.abspath(hybrid_optimizer.__file__).startswith(root):
+        raise SystemExit(f"--fork-tree {tree}: the fork came from {hybrid_optimizer.__file__}")
     return hybrid_optimizer.HybridDeviceOptimizer
 
 
@@ -257,6 +271,14 @@ def adam_beside_copies(adam, down, up, repeats):
     return statistics.median(times)
 
 
+def defining_file(hdo_class):
+    """The file of the HybridDeviceOptimizer module a row times (variants subclass it)."""
+    for cls in hdo_class.__mro__:
+        if cls.__module__.endswith("hybrid_optimizer"):
+            return getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return None
+
+
 def time_hdo(hdo_class, args, device, fraction, overlap):
     """Median step time of one HDO, the pinned memory it needs, a digest of its parameters.
 
@@ -299,6 +321,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         "pinned_held": pinned_bytes_held(),
         "pinned_live": pinned_bytes_in_use(),
         "digest": digest.hexdigest(),
+        "module": defining_file(hdo_class),
     }
     if args.breakdown:  # after the digest: these steps change the parameters
         result["breakdown_ms"] = breakdown(optimizer, hand_out_grads)
@@ -314,6 +337,14 @@ IMPLEMENTATIONS = {
     "fork": fork_class,
     **{name: functools.partial(fork_variant_class, name) for name in FORK_VARIANTS},
 }
+
+
+def implementation_class(name):
+    """The HybridDeviceOptimizer class of row ``name`` (see ``IMPLEMENTATIONS`` and
+    ``TREE_PREFIX``)."""
+    if name.startswith(TREE_PREFIX):
+        return fork_class(name[len(TREE_PREFIX) :])
+    return IMPLEMENTATIONS[name]()
 
 
 def run_worker(args, name, fraction, overlap):
@@ -411,6 +442,16 @@ def parse_args(argv=None):
             action="store_true",
             help=f"also time the fork with {times}, in the same run (row: {name})",
         )
+    parser.add_argument(
+        "--fork-tree",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="also time the fork's modules from the megatron/ folder of each checkout PATH "
+        "(another commit: `git archive COMMIT megatron | tar -x -C PATH`), in the same run "
+        "and against the same floor, as rows fork@PATH; the installed megatron-core and "
+        "overlay serve everything else",
+    )
     parser.add_argument(
         "--breakdown",
         action="store_true",
@@ -515,7 +556,7 @@ def main():
     if args.worker:
         args.case = args.case[0]
         name, fraction, overlap = json.loads(args.worker)
-        print(json.dumps(time_hdo(IMPLEMENTATIONS[name](), args, device, fraction, overlap)))
+        print(json.dumps(time_hdo(implementation_class(name), args, device, fraction, overlap)))
         return
     label = torch.cuda.get_device_name() if device == "cuda" else "CPU only (host figures)"
     print(
@@ -524,6 +565,7 @@ def main():
         f"{in_place_class(args.in_place).__module__}.{in_place_class(args.in_place).__name__}"
     )
     implementations = ["fork"] + [n for n, (dest, *_) in FORK_VARIANTS.items() if vars(args)[dest]]
+    implementations += [TREE_PREFIX + tree for tree in args.fork_tree]
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")
     overlaps = {"on": [True], "off": [False], "both": [True, False]}[args.overlap]

@@ -57,6 +57,25 @@ def test_the_flat_adam_time_is_measured_and_printed_beside_the_limits():
     assert cells["adam flat s"] == f"{floor['adam_flat']:.3f}"
 
 
+def test_a_fork_tree_row_times_that_checkout_s_modules_exactly_as_the_installed_fork():
+    """``--fork-tree`` rows load the HDO from another checkout's ``megatron/`` in their worker
+    (here this repository's own, beside the installed overlay) and step the same values."""
+    if "/_overlay/" not in (benchmark.defining_file(benchmark.fork_class()) or ""):
+        pytest.skip("the fork is not served by the installed overlay here")
+    root = str(BENCHMARKS.parent)
+    args = benchmark.parse_args(
+        ["--case", "gpt", "--scale", "0.0005", "--repeats", "1", "--warmup", "1"]
+    )
+    args.case = "gpt"  # main() runs the cases one at a time
+    installed = benchmark.run_worker(args, "fork", 0.5, True)
+    tree = benchmark.run_worker(args, benchmark.TREE_PREFIX + root, 0.5, True)
+    assert "/_overlay/" in installed["module"]
+    assert tree["module"].startswith(root + "/megatron/")
+    assert tree["digest"] == installed["digest"]
+    with pytest.raises(RuntimeError, match="no megatron/core/optimizer there"):
+        benchmark.run_worker(args, benchmark.TREE_PREFIX + str(BENCHMARKS), 0.5, True)
+
+
 def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     """The parts are timed within the step and the optimizer is left as it was: its methods
     are its class's again, and a later step runs untimed."""
