@@ -546,6 +546,7 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "pinned_live_mib": result["pinned_live"] / 2**20,
         "floor": floor,
         "params_equal_across_implementations": exact,
+        "digest": result.get("digest"),
     }
 
 
