@@ -141,6 +141,49 @@ def test_a_copy_a_client_re_points_is_stepped_where_it_now_lives(monkeypatch):
         assert_same((params, optimizer), (reference_params, reference))
 
 
+def test_a_one_copy_step_holds_the_copy_itself_and_no_view_of_its_memory(monkeypatch):
+    """Memory a client takes from a copy (``.data`` replaced to free it) is not kept alive by
+    the one-call step, which steps the copy object and so whatever it holds next."""
+    params, optimizer = make(0, monkeypatch)
+    train(params, optimizer, 1, seed=1)
+    for bucket in flat_buckets(optimizer):
+        host = bucket.hosts[0]
+        held = [t for v in vars(bucket.flat).values() if isinstance(v, list) for t in v]
+        assert any(t is host for t in held)
+        storage = host.untyped_storage().data_ptr()
+        views = [
+            t
+            for t in held
+            if torch.is_tensor(t) and t is not host and t.untyped_storage().data_ptr() == storage
+        ]
+        assert not views
+
+
+def test_state_a_client_put_in_its_own_memory_stays_there_for_one_copy(monkeypatch):
+    """Moments a client assigns as views into memory of its own (at any offset) are stepped
+    where they are: a bucket of one copy never moves its state into a block of its own."""
+    pools = {}
+
+    def share(optimizer):
+        for param in list(optimizer.state)[::3]:
+            entry = optimizer.state[param]
+            if id(param) not in pools:
+                pool = torch.zeros(2 * entry["exp_avg"].numel() + 8)
+                pool[8 : 8 + entry["exp_avg"].numel()].copy_(entry["exp_avg"].view(-1))
+                pools[id(param)] = pool
+                entry["exp_avg"] = pool[8 : 8 + entry["exp_avg"].numel()].view_as(entry["exp_avg"])
+
+    params, optimizer = make(0, monkeypatch)
+    train(params, optimizer, 3, seed=7, between=share)
+    for param in list(optimizer.state)[::3]:
+        value = optimizer.state[param]["exp_avg"]
+        assert value.untyped_storage().data_ptr() == pools[id(param)].untyped_storage().data_ptr()
+    pools.clear()
+    reference_params, reference = make(0, monkeypatch, flat=False)
+    train(reference_params, reference, 3, seed=7, between=share)
+    assert_same((params, optimizer), (reference_params, reference))
+
+
 def test_runs_join_copies_of_whole_lines_and_end_at_any_other():
     flat_step = pytest.importorskip(
         "megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step"

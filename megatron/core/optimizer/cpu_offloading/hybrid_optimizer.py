@@ -12,8 +12,8 @@ each direction costs one copy and one multi-tensor kernel, whatever the number o
 where the host optimizer is torch's fused Adam or AdamW, the bucket is also stepped in one
 kernel call over its blocks (:mod:`hybrid_optimizer_flat_step`).
 Pinned host memory stays within what megatron-core 0.19.2 keeps pinned for the same
-parameters; host copies that do not fit stay pageable and go up through a slot that has no
-further use in the step (the plans and layouts: :mod:`hybrid_optimizer_copies`).
+parameters; host copies that do not fit stay pageable and go up through their bucket's slot,
+which the next download into it waits for (the plans and layouts: :mod:`hybrid_optimizer_copies`).
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -437,8 +437,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         the host copies in order) stays within what upstream keeps pinned for the same
         parameters, both counted in the power-of-two blocks the host allocator holds (see
         :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not as a
-        whole. The copies left pageable are the last to upload; where their bucket's slot is
-        free by then (no download follows), they are staged through it (see ``_upload``).
+        whole. The copies left pageable are the last to upload, each through its bucket's
+        slot (see ``_upload``).
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._buckets: List[_Bucket] = []
@@ -577,18 +577,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         torch's fused Adam or AdamW over its copies: a packed bucket over its block, a bucket
         of one copy over the copy itself (a kernel call instead of the optimizer's Python)."""
         bucket.flat = None
-        master = bucket.master
-        if master is None:  # one whole copy, whose gradient starts its slot
-            host = bucket.hosts[0] if len(bucket.hosts) == 1 else None
-            if host is None or not host.is_contiguous() or bucket.grads[0][2] != 0:
-                return
-            master = host.view(-1).view(torch.uint8)
+        if bucket.master is None and (
+            len(bucket.hosts) != 1 or not bucket.hosts[0].is_contiguous()
+        ):
+            return  # neither packed nor one dense copy
         if self.flat_host_steps and suits(bucket.optimizer, bucket.hosts):
             bucket.flat = FlatAdamStep(
                 bucket.optimizer,
                 [self._entries_by_inner[host] for host in bucket.hosts],
                 [(offset, _nbytes(host)) for host, _, offset in bucket.grads],
-                master,
+                bucket.master,
                 self._ring[bucket.slot],
             )
 
@@ -730,10 +728,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ready = [bucket]
         if bucket.parted is not None:
             ready = self._step_part(bucket)
-        for stepped in ready:
-            self._upload(stepped, staged_in_slot=stepped is bucket)
+        if any(stepped is bucket for stepped in ready):
+            self._upload(bucket, staged_in_slot=True)
         if bucket.follower is not None:
             self._download(bucket.follower)
+        for stepped in ready:  # the other parts of a gathered copy, from their own memory
+            if stepped is not bucket:
+                self._upload(stepped, staged_in_slot=False)
 
     def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
         """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""

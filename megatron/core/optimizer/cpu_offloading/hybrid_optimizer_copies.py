@@ -70,8 +70,8 @@ def plan_pinned_host_memory(
     as large as the largest bucket staged in it (:func:`slot_sizes`), fewer if they would
     exceed ``budget``, but at least one. A ring never holds more than all buckets together,
     since each slot is one of them. Host copies are then pinned in order while the total stays
-    within ``budget``, so those left pageable are the last to upload, when nothing waits
-    behind them.
+    within ``budget``, so those left pageable are the last to upload (each through its
+    bucket's slot).
 
     Args:
         bucket_nbytes: bytes of each bucket's staged gradients (buckets with any).
@@ -130,7 +130,7 @@ class _Bucket:
         down: device views the gradients are gathered and widened into (packed, on CUDA).
         up: device views the uploaded block lands in, narrowed from there (packed, on CUDA).
         keep: indices of the copies that have a gradient in this step; None for all.
-        flat: the one-call step of a packed bucket (first step on), or None.
+        flat: the one-call step of a packed bucket or of one copy (first step on), or None.
         part: the element range of its one host copy that this bucket moves, where the copy
             moves in parts (``hybrid_optimizer_parts``); None for the whole copy.
         parted: the step shared by the parts of that copy (``PartedCopy``), or None.

@@ -82,19 +82,24 @@ def suits(optimizer: torch.optim.Optimizer, hosts: List[torch.Tensor]) -> bool:
 
 
 class FlatAdamStep:
-    """Steps a packed bucket's runs of copies in one fused Adam call.
+    """Steps a host bucket's runs of copies in one fused Adam call.
+
+    A bucket of one copy is stepped over the copy and its state tensors as they are: nothing
+    is laid out or re-pointed, and the copy is the kernel's tensor itself, so a ``.data`` a
+    client assigns to it is what the next call steps (and no old memory is held here).
 
     Args:
         optimizer: the bucket's sub-optimizer (:func:`suits` it).
         entries: the state entry of each host copy, in the bucket's order.
         layout: ``(byte offset, byte size)`` of each copy in the bucket's blocks.
-        master: the block the host copies are views into.
+        master: the block the host copies are views into; None for a bucket of one copy.
         grads: the ring slot their gradients are staged in (raw bytes).
     """
 
-    def __init__(self, optimizer, entries, layout, master: torch.Tensor, grads: torch.Tensor):
+    def __init__(self, optimizer, entries, layout, master, grads: torch.Tensor):
         self.optimizer = optimizer
         self.entries = entries
+        self._one = master is None
         self._offsets = [offset for offset, _ in layout]
         self._nbytes = layout[-1][0] + layout[-1][1]
         self._runs = flat_runs(layout)
@@ -105,7 +110,9 @@ class FlatAdamStep:
         self._params, self._grads = [], []
         for (first, start, end), single in zip(self._runs, self._single):
             for views, raw in ((self._params, master), (self._grads, grads)):
-                if single:
+                if raw is None:
+                    views.append(hosts[first])
+                elif single:
                     views.append(_typed_view(raw, start, hosts[first]))
                 else:
                     views.append(raw[start:end].view(hosts[first].dtype))
@@ -212,6 +219,8 @@ class FlatAdamStep:
         copies' order, each moment key's tensors laid out like the copies in one storage."""
         if not _movable_counters(counters) or not self._movable(moments):
             return False
+        if self._one:  # its own tensors, wherever they lie
+            return True
         if not _in_one_block(counters, *_counter_layout(counters)):
             return False
         return all(_in_one_block(values, self._offsets, self._nbytes) for values in moments)
@@ -236,7 +245,7 @@ class FlatAdamStep:
         where the state is one the flat step could take (after the sub-optimizer's own step,
         a load, a client)."""
         counters, moments = self._state()
-        if _look(counters, moments) is None:
+        if self._one or _look(counters, moments) is None:
             return
         if not _movable_counters(counters) or not self._movable(moments):
             return
