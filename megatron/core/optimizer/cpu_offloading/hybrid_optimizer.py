@@ -548,9 +548,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for host in plan.masters_to_pin:
             # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
             host.data = host.pin_memory()
-        for bucket in self._buckets:
+        for bucket in self._buckets:  # the copies are where they stay: note it
             if not bucket.packed and bucket.grads and bucket.part is None:
-                self._make_flat(bucket)  # after pinning: the step views the copy's memory
+                self._make_flat(bucket)
             if bucket.grads:
                 self._note_layout(bucket)
         on_cuda = [b for b in self._buckets if b.packed and b.params[0].is_cuda]
