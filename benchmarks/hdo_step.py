@@ -624,7 +624,8 @@ def main():
         "(the floor's own time is floor.measured_in_s in the JSON); pinned = pinned host memory "
         "the process holds after the timed steps (one process per row, allocator cache "
         "included); live = pinned storage its tensors use; equal = identical parameters "
-        "(sha256) across implementations"
+        "(sha256) across implementations; fork@PATH = the fork's modules from checkout PATH "
+        "(--fork-tree)"
     )
     print(f"\n{legend}; {path}")
 
