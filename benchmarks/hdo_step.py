@@ -448,7 +448,7 @@ def parse_args(argv=None):
         default=[],
         metavar="PATH",
         help="also time the fork's modules from the megatron/ folder of each checkout PATH "
-        "(another commit: `git archive COMMIT megatron | tar -x -C PATH`), in the same run "
+        "(another commit: scripts/fork_tree.sh COMMIT writes it to .ab/COMMIT), in the same run "
         "and against the same floor, as rows fork@PATH; the installed megatron-core and "
         "overlay serve everything else",
     )
