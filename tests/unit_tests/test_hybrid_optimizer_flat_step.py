@@ -59,6 +59,17 @@ def train(params, optimizer, steps, seed, between=None):
     train_drawn(params, optimizer, steps, seed, has_grad=lambda step, index: True, check=after)
 
 
+def train_beside_per_copy(bucket_bytes, monkeypatch, steps, seed, between=None):
+    """Train flat and, on the same inputs and client edits, copy by copy; assert both equal and
+    return the flat one's parameters and optimizer."""
+    params, optimizer = make(bucket_bytes, monkeypatch)
+    train(params, optimizer, steps, seed=seed, between=between)
+    reference_params, reference = make(bucket_bytes, monkeypatch, flat=False)
+    train(reference_params, reference, steps, seed=seed, between=between)
+    assert_same((params, optimizer), (reference_params, reference))
+    return params, optimizer
+
+
 def flat_buckets(optimizer):
     """The buckets stepped flat (there must be some)."""
     buckets = [bucket for bucket in optimizer._buckets if bucket.flat is not None]
@@ -134,11 +145,7 @@ def test_a_copy_a_client_re_points_is_stepped_where_it_now_lives(monkeypatch):
             host.data = host.clone()
 
     for bucket_bytes in (0, BUCKET_BYTES):
-        params, optimizer = make(bucket_bytes, monkeypatch)
-        train(params, optimizer, 3, seed=4, between=re_point)
-        reference_params, reference = make(bucket_bytes, monkeypatch, flat=False)
-        train(reference_params, reference, 3, seed=4, between=re_point)
-        assert_same((params, optimizer), (reference_params, reference))
+        train_beside_per_copy(bucket_bytes, monkeypatch, 3, seed=4, between=re_point)
 
 
 def test_a_one_copy_step_holds_the_copy_itself_and_no_view_of_its_memory(monkeypatch):
@@ -173,15 +180,10 @@ def test_state_a_client_put_in_its_own_memory_stays_there_for_one_copy(monkeypat
                 pools[id(param)] = pool
                 entry["exp_avg"] = pool[8 : 8 + entry["exp_avg"].numel()].view_as(entry["exp_avg"])
 
-    params, optimizer = make(0, monkeypatch)
-    train(params, optimizer, 3, seed=7, between=share)
+    _, optimizer = train_beside_per_copy(0, monkeypatch, 3, seed=7, between=share)
     for param in list(optimizer.state)[::3]:
         value = optimizer.state[param]["exp_avg"]
         assert value.untyped_storage().data_ptr() == pools[id(param)].untyped_storage().data_ptr()
-    pools.clear()
-    reference_params, reference = make(0, monkeypatch, flat=False)
-    train(reference_params, reference, 3, seed=7, between=share)
-    assert_same((params, optimizer), (reference_params, reference))
 
 
 def test_runs_join_copies_of_whole_lines_and_end_at_any_other():
@@ -256,11 +258,7 @@ def test_counters_that_differ_step_copy_by_copy(write, monkeypatch):
         for param in list(optimizer.state)[1:4]:  # inside runs, not only at their start
             COUNTER_WRITES[write](optimizer.state[param]["step"])
 
-    params, optimizer = make(BUCKET_BYTES, monkeypatch)
-    train(params, optimizer, 3, seed=4, between=reset_one)
-    reference_params, reference = make(BUCKET_BYTES, monkeypatch, flat=False)
-    train(reference_params, reference, 3, seed=4, between=reset_one)
-    assert_same((params, optimizer), (reference_params, reference))
+    train_beside_per_copy(BUCKET_BYTES, monkeypatch, 3, seed=4, between=reset_one)
 
 
 def test_counters_a_client_assigns_are_stepped_and_laid_out_again(monkeypatch):
