@@ -28,6 +28,7 @@ thing.
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
@@ -44,6 +45,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     slot_sizes,
     upstream_pinned_bytes,
 )
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import FlatInPlaceStep
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
@@ -107,6 +109,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "gpu_param_groups",
         "cpu_optimizers",
         "gpu_optimizer",
+        "_flat_in_place",
         "_sub_groups",
         "_owner",
         "cpu_copy_map_grad",
@@ -134,6 +137,21 @@ def _param_generator(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]
 def _staged_offset(end: int) -> int:
     """Where the next gradient goes in a slot filled up to ``end`` bytes (``_GRAD_ALIGN``)."""
     return -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
+
+
+def _fp32_clones(params: List[torch.Tensor]) -> List[torch.Tensor]:
+    """fp32 copies of ``params``, back to back in one block where they share a device, so that
+    the in-place step can take runs of them as one tensor (see
+    :mod:`hybrid_optimizer_flat_in_place`), and in the order of ``params``, as their widened
+    gradients are laid out."""
+    if not params or len({p.device for p in params}) != 1:
+        return [p.detach().to(torch.float32, copy=True) for p in params]
+    block = torch.empty(
+        sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
+    )
+    clones = _unflatten_dense_tensors(block, params)
+    torch._foreach_copy_(clones, [p.detach() for p in params])  # pylint: disable=protected-access
+    return list(clones)
 
 
 def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -166,6 +184,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # Step each packed host bucket of torch's fused Adam/AdamW in one kernel call over its
     # blocks (see hybrid_optimizer_flat_step); False steps copy by copy, as a reference.
     flat_host_steps = True
+
+    # Step Transformer Engine's FusedAdam in place over runs of adjacent fp32 clones instead of
+    # tensor by tensor (see hybrid_optimizer_flat_in_place); False leaves its step to it.
+    flat_in_place_steps = True
 
     # Host copies larger than this many bytes (a multiple of PART_ALIGN_BYTES) are stepped and
     # moved in parts of this size, each a bucket of the pipeline, where their sub-optimizer is
@@ -342,11 +364,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.param_to_fp32_param: Dict[torch.Tensor, torch.Tensor] = {}
         self.param_to_inner_param: Dict[torch.Tensor, torch.Tensor] = {}
         self.inner_param_to_orig_param: Dict[torch.Tensor, torch.Tensor] = {}
-        offloaded = 0
+        offloaded, placement = 0, []
         for param in params:
             widen = self.param_update_in_fp32 and param.dtype != torch.float32
-            if id(param) in candidate_ids and offloaded < budget:
+            on_host = id(param) in candidate_ids and offloaded < budget
+            if on_host:
                 offloaded += param.numel()
+            placement.append((param, widen, on_host))
+        clones = iter(_fp32_clones([p for p, widen, on_host in placement if widen and not on_host]))
+        for param, widen, on_host in placement:
+            if on_host:
                 # Pageable for now: the first step pins the copies it uploads from (see
                 # _plan_grad_ring), so a build that a checkpoint load triggers pins nothing.
                 inner = torch.empty(
@@ -356,7 +383,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 self.gpu_params_map_cpu_copy[param] = inner
                 self.cpu_copys_map_gpu_param[inner] = param
             elif widen:
-                inner = param.detach().to(torch.float32, copy=True)
+                inner = next(clones)
             else:
                 inner = param
             if widen:
@@ -398,6 +425,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.gpu_optimizer = (
             self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
         )
+        self._flat_in_place = None
 
         # Which public group each sub-optimizer group follows, and which sub-optimizer
         # steps each inner tensor.
@@ -703,9 +731,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_in_place(self):
-        """The in-place sub-optimizer's step, if there is one."""
-        if self.gpu_optimizer is not None:
-            self.gpu_optimizer.step()
+        """The in-place sub-optimizer's step, if there is one: over runs of adjacent tensors
+        where it is TE's FusedAdam and its state is laid out for that, else its own."""
+        optimizer = self.gpu_optimizer
+        if optimizer is None:
+            return
+        flat = self._flat_in_place
+        if self.flat_in_place_steps and (flat is None or flat.optimizer is not optimizer):
+            flat = self._flat_in_place = FlatInPlaceStep(optimizer)
+        if not self.flat_in_place_steps or not flat.step():
+            optimizer.step()
+            if self.flat_in_place_steps:
+                flat.lay_out()  # so that the next step can take runs
 
     def _step_host_bucket(self, bucket: _Bucket):
         """Step one host bucket once its gradients have landed: flat where it can be."""

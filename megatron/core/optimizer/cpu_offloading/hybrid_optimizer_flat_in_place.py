@@ -1,0 +1,228 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""The in-place step over runs of adjacent tensors, for Transformer Engine's FusedAdam.
+
+TE's FusedAdam checks and gathers each parameter in Python (its state, its gradient, its
+dtype, DTensor parity) before one multi-tensor kernel; with thousands of shards stepped in
+place that walk takes tens of milliseconds of the calling thread, which the host buckets then
+wait for. Its kernel is elementwise, so a run of parameters that lie back to back in one
+storage, with their gradients and both moments laid out alike, can be handed to it as one
+tensor: TE's own step, over a few runs instead of thousands of tensors.
+
+The HDO lays out its fp32 clones back to back and widens their gradients into one buffer in
+the same order; the moments TE creates one by one on its first step are then moved into one
+block per run (:meth:`FlatInPlaceStep.lay_out`) and stay the entries' own tensors, re-pointed
+with ``.data``, so what clients read, hold or assign is the state. Anything else (another
+class or mode, a step hook, a parameter without a gradient, state that is not laid out, such as
+moments a client moved away and back) leaves the step to the optimizer itself.
+"""
+
+from itertools import repeat
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch._utils import _unflatten_dense_tensors
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import _hooked
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+# The optimizer class the flat step drives (its module, its name): Transformer Engine's.
+_FUSED_ADAM = ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam")
+
+# A run of parameters: (index of its first in the group, how many, elements in all).
+Run = Tuple[int, int, int]
+
+
+def steps_flat(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is TE's FusedAdam in the mode whose step is one fp32 kernel per
+    group: no CUDA graphs, no master weights, fp32 moments, gradients in ``grad``, no hooks."""
+    cls = type(optimizer)
+    if (cls.__module__, cls.__qualname__) != _FUSED_ADAM or "step" in vars(optimizer):
+        return False
+    if optimizer.capturable or optimizer.master_weights or optimizer.use_decoupled_grad:
+        return False
+    if any(optimizer.name_to_dtype_map[key] != torch.float32 for key in _MOMENTS):
+        return False
+    return not _hooked(optimizer)
+
+
+def adjacent_runs(tensors: Sequence[torch.Tensor]) -> List[Run]:
+    """Runs of consecutive dense fp32 tensors that lie back to back in the storage of the
+    run's first (a run of one is any tensor)."""
+    runs: List[List[int]] = []
+    end, limit = None, 0
+    for index, tensor in enumerate(tensors):
+        dense = tensor.dtype == torch.float32 and tensor.is_contiguous()
+        start = tensor.data_ptr()
+        if dense and runs and start == end and start + tensor.nbytes <= limit:
+            runs[-1][1] += 1
+            runs[-1][2] += tensor.numel()
+        else:
+            runs.append([index, 1, tensor.numel()])
+            storage = tensor.untyped_storage()
+            limit = storage.data_ptr() + storage.nbytes() if dense else 0
+        end = start + tensor.nbytes if dense else None
+    return [(first, count, numel) for first, count, numel in runs]
+
+
+class _Layout:
+    """Where a group's parameters lie: their runs, and each one's distance in bytes from its
+    run's first and size, to which gradients and moments are compared."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.runs = adjacent_runs(params)
+        self.numels = list(map(torch.Tensor.numel, params))
+        ptrs = list(map(torch.Tensor.data_ptr, params))
+        self.firsts = [first for first, count, _ in self.runs for _ in range(count)]
+        self.distances = [ptr - ptrs[first] for ptr, first in zip(ptrs, self.firsts)]
+
+    def holds(self, values) -> bool:
+        """Whether ``values`` lie as the parameters do: dense fp32 tensors of their sizes, at
+        the same distances from their run's first, inside that first one's storage."""
+        try:
+            ptrs = list(map(torch.Tensor.data_ptr, values))
+        except TypeError:  # a value missing or no tensor
+            return False
+        if list(map(torch.Tensor.numel, values)) != self.numels:
+            return False
+        if any(value.dtype != torch.float32 for value in values):
+            return False
+        if not all(map(torch.Tensor.is_contiguous, values)):
+            return False
+        if [ptr - ptrs[first] for ptr, first in zip(ptrs, self.firsts)] != self.distances:
+            return False
+        for first, count, numel in self.runs:
+            if count > 1:
+                head = values[first]
+                storage = head.untyped_storage()
+                if head.data_ptr() + numel * 4 > storage.data_ptr() + storage.nbytes():
+                    return False
+        return True
+
+
+def _run_tensor(values, run: Run) -> torch.Tensor:
+    """One tensor over a run: its first value itself, or a flat view from it over the run."""
+    first, count, numel = run
+    return values[first] if count == 1 else values[first].as_strided((numel,), (1,))
+
+
+class FlatInPlaceStep:
+    """Steps TE FusedAdam's groups over runs of adjacent parameters with TE's own step.
+
+    Args:
+        optimizer: the HDO's in-place optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._layouts: List[_Layout] = []
+        self._seen: Optional[tuple] = None  # the tensors and addresses the last flat step saw
+
+    def _groups(self):
+        """Per group: its parameters, their gradients and each moment's values."""
+        state = self.optimizer.state
+        groups = []
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            entries = [state.get(param) or {} for param in params]
+            moments = [list(map(dict.get, entries, repeat(key))) for key in _MOMENTS]
+            groups.append((params, [param.grad for param in params], moments))
+        return groups
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Run the optimizer's step over runs, if its mode and state allow; False (nothing
+        done) if not, and the optimizer must step itself."""
+        optimizer = self.optimizer
+        if not steps_flat(optimizer) or any("step" not in g for g in optimizer.param_groups):
+            return False
+        groups = self._groups()
+        seen = _look(groups)
+        if seen is None:
+            return False
+        if seen != self._seen:
+            self._seen = None
+            self._layouts = [_Layout(params) for params, _, _ in groups]
+            if not all(
+                layout.holds(values)
+                for (_, _, moments), layout in zip(groups, self._layouts)
+                for values in moments
+            ):
+                return False
+            self._seen = seen
+        # Gradients are new tensors every step: checked every step.
+        if not all(layout.holds(grads) for (_, grads, _), layout in zip(groups, self._layouts)):
+            return False
+        self._step_runs(groups)
+        return True
+
+    def _step_runs(self, groups):
+        """TE's step on a stand-in optimizer that shares every setting of the real one but
+        holds, per group, one tensor per run (with its gradient and moments)."""
+        optimizer = self.optimizer
+        stand_in = object.__new__(type(optimizer))
+        vars(stand_in).update(vars(optimizer))
+        stand_in.state = {}
+        stand_in.param_groups = []
+        for group, (params, grads, moments), layout in zip(
+            optimizer.param_groups, groups, self._layouts
+        ):
+            tensors = []
+            for run in layout.runs:
+                tensor = _run_tensor(params, run)
+                tensor.grad = _run_tensor(grads, run)
+                stand_in.state[tensor] = {
+                    key: _run_tensor(values, run) for key, values in zip(_MOMENTS, moments)
+                }
+                tensors.append(tensor)
+            stand_in.param_groups.append({**group, "params": tensors})
+        type(optimizer).step(stand_in)
+        for group, stepped in zip(optimizer.param_groups, stand_in.param_groups):
+            group["step"] = stepped["step"]
+
+    @torch.no_grad()
+    def lay_out(self):
+        """Move moments that do not lie like their run of parameters into one block per run,
+        re-pointing each with ``.data`` (after the optimizer's own step, a load, a client)."""
+        self._seen = None
+        if not steps_flat(self.optimizer):
+            return
+        for params, _, moments in self._groups():
+            layout = _Layout(params)
+            for values in moments:
+                if layout.holds(values) or not all(map(_fits, values, params)):
+                    continue
+                for first, count, numel in layout.runs:
+                    if count == 1:
+                        continue
+                    span = values[first : first + count]
+                    block = torch.empty(numel, dtype=torch.float32, device=params[first].device)
+                    views = _unflatten_dense_tensors(block, span)
+                    torch._foreach_copy_(views, span)  # pylint: disable=protected-access
+                    for value, view in zip(span, views):
+                        value.data = view
+
+
+def _fits(value, param: torch.Tensor) -> bool:
+    """Whether ``value`` can be moved into a block beside ``param``'s run unchanged: an fp32
+    tensor of its size on its device."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == torch.float32
+        and value.numel() == param.numel()
+        and value.device == param.device
+    )
+
+
+def _look(groups) -> Optional[tuple]:
+    """Which tensors the groups hold and where their memory is, as numbers (nothing kept
+    alive); None where a moment is missing."""
+    tensors = []
+    for params, _, moments in groups:
+        tensors += params
+        for values in moments:
+            tensors += values
+    try:
+        return tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
+    except TypeError:
+        return None

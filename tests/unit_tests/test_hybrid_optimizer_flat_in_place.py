@@ -1,0 +1,201 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""The in-place step over runs of adjacent fp32 clones (hybrid_optimizer_flat_in_place).
+
+Transformer Engine's FusedAdam, as Megatron's factory hands it to the HDO, steps the fp32
+clones of the in-place parameters; from the second step on the HDO hands it runs of clones
+laid out back to back instead of one tensor each. These tests compare that with TE stepping
+the same clones one by one (``flat_in_place_steps = False``), bit for bit, through client
+moves of the state and a checkpoint.
+"""
+
+import io
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Sizes that are and are not multiples of a vector or a cache line, in two groups.
+NUMELS = [4096, 1000, 77, 65536, 3, 12288, 513, 2048, 40000, 5]
+
+
+def _te_fused_adam():
+    try:
+        from transformer_engine.pytorch.optimizers import (  # pylint: disable=import-outside-toplevel
+            FusedAdam,
+        )
+    except ImportError:
+        return None
+    return FusedAdam
+
+
+FusedAdam = _te_fused_adam()
+requires_te = pytest.mark.skipif(
+    FusedAdam is None or not torch.cuda.is_available(), reason="needs Transformer Engine and CUDA"
+)
+
+
+class PerTensorHDO(HybridDeviceOptimizer):
+    """The reference: the in-place optimizer steps its tensors one by one."""
+
+    flat_in_place_steps = False
+
+
+def make_params(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(n, generator=generator).to(DEVICE, torch.bfloat16))
+        for n in NUMELS
+    ]
+
+
+def make_hdo(cls, params, gpu_cls, fraction=0.5):
+    groups = [
+        {"params": params[:6], "weight_decay": 0.01},
+        {"params": params[6:], "weight_decay": 0.0},
+    ]
+    return cls(
+        groups,
+        offload_fraction=fraction,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=gpu_cls,
+        param_update_in_fp32=True,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+
+
+def give_grads(params, generator):
+    for param in params:
+        param.grad = torch.randn(param.numel(), generator=generator).to(DEVICE, torch.bfloat16)
+
+
+def moments(hdo, params):
+    return [
+        [hdo.state[p][key] for key in ("exp_avg", "exp_avg_sq")]
+        for p in params
+        if p in hdo.param_to_fp32_param and p not in hdo.gpu_params_map_cpu_copy
+    ]
+
+
+def assert_same(hdo, reference, params, ref_params):
+    for index, (a, b) in enumerate(zip(params, ref_params)):
+        assert torch.equal(a, b), f"parameter {index} differs"
+    for index, (mine, theirs) in enumerate(
+        zip(moments(hdo, params), moments(reference, ref_params))
+    ):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b), f"a moment of in-place parameter {index} differs"
+    for a, b in zip(hdo.param_to_inner_param.values(), reference.param_to_inner_param.values()):
+        assert torch.equal(a, b)
+    steps = [g.get("step") for g in hdo.gpu_optimizer.param_groups]
+    assert steps == [g.get("step") for g in reference.gpu_optimizer.param_groups]
+
+
+def test_in_place_fp32_clones_lie_back_to_back_in_parameter_order():
+    """The layout the flat step takes runs from: each in-place clone starts where the one
+    before it ends, in one storage, and holds its parameter's values widened."""
+    params = make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, torch.optim.AdamW)
+    hdo._ensure_built()  # pylint: disable=protected-access
+    clones = [clone for _, clone in hdo._clones_in_place]  # pylint: disable=protected-access
+    assert len(clones) > 2
+    storage = clones[0].untyped_storage().data_ptr()
+    for before, after in zip(clones, clones[1:]):
+        assert after.data_ptr() == before.data_ptr() + before.nbytes
+        assert after.untyped_storage().data_ptr() == storage
+    for param, clone in hdo._clones_in_place:  # pylint: disable=protected-access
+        assert clone.dtype == torch.float32 and torch.equal(clone, param.detach().float())
+
+
+@requires_te
+def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(monkeypatch):
+    """After the first step TE's own step sees a handful of runs, not the clones one by one,
+    and every parameter, moment and group step equals TE stepping them one by one."""
+    walked = []
+    original = FusedAdam.step
+
+    def spy(self, *args, **kwargs):
+        walked.append(sum(len(group["params"]) for group in self.param_groups))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedAdam, "step", spy)
+    params, ref_params = make_params(), make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam)
+    reference = make_hdo(PerTensorHDO, ref_params, FusedAdam)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        state = generator.get_state()
+        give_grads(params, generator)
+        generator.set_state(state)
+        give_grads(ref_params, generator)
+        walked.clear()
+        hdo.step()
+        assert walked, "TE's step did not run"
+        clones = len(hdo._clones_in_place)  # pylint: disable=protected-access
+        if step == 0:
+            assert walked == [clones]  # state is created tensor by tensor
+        else:
+            assert walked == [2], walked  # one run per group
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)
+
+
+@requires_te
+def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly():
+    """verl-style offload of the optimizer state between steps: the moments go to the host and
+    come back as new tensors; the next step is TE's own, then runs again, all exact."""
+    params, ref_params = make_params(), make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam)
+    reference = make_hdo(PerTensorHDO, ref_params, FusedAdam)
+    generator = torch.Generator().manual_seed(2)
+    for step in range(5):
+        state = generator.get_state()
+        give_grads(params, generator)
+        generator.set_state(state)
+        give_grads(ref_params, generator)
+        if step in (2, 3):
+            for optimizer in (hdo, reference):
+                for entry in optimizer.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        entry[key] = entry[key].to("cpu")
+                for entry in optimizer.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if entry[key].device.type == "cpu" and entry.inner.is_cuda:
+                            entry[key] = entry[key].to(DEVICE)
+        hdo.step()
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)
+
+
+@requires_te
+def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly():
+    """A state dict written after flat steps loads into a new HDO, whose steps (its first by
+    TE's own walk, then runs) equal the per-tensor optimizer's from the same checkpoint."""
+    params = make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        give_grads(params, generator)
+        hdo.step()
+    buffer = io.BytesIO()
+    torch.save(hdo.state_dict(), buffer)
+    resumed = []
+    for cls in (HybridDeviceOptimizer, PerTensorHDO):
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        optimizer = make_hdo(cls, copies, FusedAdam)
+        buffer.seek(0)
+        optimizer.load_state_dict(torch.load(buffer, weights_only=False))
+        resumed.append((optimizer, copies))
+    (flat, flat_params), (reference, ref_params) = resumed
+    for _ in range(3):
+        state = generator.get_state()
+        give_grads(flat_params, generator)
+        generator.set_state(state)
+        give_grads(ref_params, generator)
+        flat.step()
+        reference.step()
+        assert_same(flat, reference, flat_params, ref_params)
