@@ -19,7 +19,7 @@ longest of the three, which a pipeline that overlaps them approaches, and the co
 limit: the same with host AdamW timed beside one D2H and one H2D of the same bytes, since the
 copies' DMA shares the host's memory bandwidth with AdamW (``adam|copies s``). Torch's
 fused AdamW runs one parallel region per tensor, so the floor's AdamW carries a cost per
-shard; ``adam flat s`` is the same AdamW over the same elements as flat 16 MiB blocks (one
+shard; ``adam flat s`` is the same AdamW over the same elements as flat 64 MiB blocks (one
 tensor per fork HDO bucket), shown beside the limits as the headroom a step over whole
 buckets would have, not used in them. Only ``step()`` is timed; what the benchmark itself
 does between steps (handing out gradients) is timed apart and reported as ``outside s``.
@@ -48,8 +48,8 @@ from hdo_step_breakdown import breakdown, profile
 from megatron_optimizer_fork import load_upstream_module
 from megatron_optimizer_fork.memory import pinned_bytes_held, pinned_bytes_in_use
 
-FLAT_BLOCK_NUMEL = 4 << 20
-"""fp32 elements of one of the fork HDO's host buckets (16 MiB), for ``adam flat s``."""
+FLAT_BLOCK_NUMEL = 16 << 20
+"""fp32 elements of one of the fork HDO's host buckets (64 MiB), for ``adam flat s``."""
 
 
 TREE_PREFIX = "fork@"
@@ -212,7 +212,7 @@ def flat_blocks(numel, block_numel=FLAT_BLOCK_NUMEL):
 
 
 def flat_adam_seconds(numel, generator, device, repeats):
-    """Median time of fused host AdamW over ``numel`` elements as flat 16 MiB blocks.
+    """Median time of fused host AdamW over ``numel`` elements as flat 64 MiB blocks.
 
     The same bytes as the floor's AdamW, but one tensor (and one parallel region) per HDO
     bucket instead of one per shard: how fast the host step could be without its per-tensor
@@ -615,7 +615,7 @@ def main():
     legend = (
         "floor = fused host AdamW over the offloaded tensors + bf16 D2H + bf16 H2D of their "
         "bytes (one pinned block each way); limit = the longest of the three; adam flat = that "
-        "AdamW over the same elements as flat 16 MiB blocks (one tensor per HDO bucket; not in "
+        "AdamW over the same elements as flat 64 MiB blocks (one tensor per HDO bucket; not in "
         "the limits); contended = the "
         "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); step = "
         "median of step() alone (the median over --rounds processes; min-max over all their "
