@@ -43,11 +43,17 @@ class PerTensorHDO(HybridDeviceOptimizer):
     flat_in_place_steps = False
 
 
-def make_params(seed=0):
+def make_params(seed=0, fp32=()):
+    """bf16 parameters of ``NUMELS`` sizes, but fp32 at the indices ``fp32`` (stepped in place
+    as they are, between clones)."""
     generator = torch.Generator().manual_seed(seed)
     return [
-        torch.nn.Parameter(torch.randn(n, generator=generator).to(DEVICE, torch.bfloat16))
-        for n in NUMELS
+        torch.nn.Parameter(
+            torch.randn(n, generator=generator).to(
+                DEVICE, torch.float32 if index in fp32 else torch.bfloat16
+            )
+        )
+        for index, n in enumerate(NUMELS)
     ]
 
 
@@ -70,14 +76,15 @@ def make_hdo(cls, params, gpu_cls, fraction=0.5):
 
 def give_grads(params, generator):
     for param in params:
-        param.grad = torch.randn(param.numel(), generator=generator).to(DEVICE, torch.bfloat16)
+        param.grad = torch.randn(param.numel(), generator=generator).to(DEVICE, param.dtype)
 
 
 def moments(hdo, params):
+    """The moments of the parameters stepped in place."""
     return [
         [hdo.state[p][key] for key in ("exp_avg", "exp_avg_sq")]
         for p in params
-        if p in hdo.param_to_fp32_param and p not in hdo.gpu_params_map_cpu_copy
+        if p not in hdo.gpu_params_map_cpu_copy
     ]
 
 
@@ -112,9 +119,15 @@ def test_in_place_fp32_clones_lie_back_to_back_in_parameter_order():
 
 
 @requires_te
-def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(monkeypatch):
-    """After the first step TE's own step sees a handful of runs, not the clones one by one,
-    and every parameter, moment and group step equals TE stepping them one by one."""
+@pytest.mark.parametrize(
+    "fp32, runs",
+    [((), 2), ((8,), 4)],
+    ids=["clones only: gradients widened into one buffer", "an fp32 parameter between clones"],
+)
+def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(monkeypatch, fp32, runs):
+    """After the first step TE's own step sees a handful of runs, not the in-place tensors one
+    by one (one run per group of adjacent clones; an fp32 parameter stepped as it is parts
+    them), and every parameter, moment and group step equals TE stepping them one by one."""
     walked = []
     original = FusedAdam.step
 
@@ -123,7 +136,7 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(monkeypa
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedAdam, "step", spy)
-    params, ref_params = make_params(), make_params()
+    params, ref_params = make_params(fp32=fp32), make_params(fp32=fp32)
     hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam)
     reference = make_hdo(PerTensorHDO, ref_params, FusedAdam)
     generator = torch.Generator().manual_seed(1)
@@ -135,11 +148,11 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(monkeypa
         walked.clear()
         hdo.step()
         assert walked, "TE's step did not run"
-        clones = len(hdo._clones_in_place)  # pylint: disable=protected-access
+        in_place = sum(len(group["params"]) for group in hdo.gpu_optimizer.param_groups)
         if step == 0:
-            assert walked == [clones]  # state is created tensor by tensor
+            assert walked == [in_place]  # state is created tensor by tensor
         else:
-            assert walked == [2], walked  # one run per group
+            assert walked == [runs], walked
         reference.step()
         assert_same(hdo, reference, params, ref_params)
 

@@ -45,7 +45,10 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     slot_sizes,
     upstream_pinned_bytes,
 )
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import FlatInPlaceStep
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
+    FlatInPlaceStep,
+    steps_flat,
+)
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
@@ -107,6 +110,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "inner_param_to_orig_param",
         "fp32_param_to_orig_param",
         "_clones_in_place",
+        "_clone_block",
         "_stepped_as_is",
         "cpu_param_groups",
         "gpu_param_groups",
@@ -142,19 +146,29 @@ def _staged_offset(end: int) -> int:
     return -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
 
 
-def _fp32_clones(params: List[torch.Tensor]) -> List[torch.Tensor]:
-    """fp32 copies of ``params``, back to back in one block where they share a device, so that
-    the in-place step can take runs of them as one tensor (see
-    :mod:`hybrid_optimizer_flat_in_place`), and in the order of ``params``, as their widened
-    gradients are laid out."""
+def _fp32_clones(params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
+    """fp32 copies of ``params`` and the block they lie in: back to back in the order of
+    ``params`` where they share a device (else no block), so that the in-place step can take
+    runs of them as one tensor, with their gradients widened into one buffer laid out alike
+    (see :mod:`hybrid_optimizer_flat_in_place`)."""
     if not params or len({p.device for p in params}) != 1:
-        return [p.detach().to(torch.float32, copy=True) for p in params]
+        return [p.detach().to(torch.float32, copy=True) for p in params], None
     block = torch.empty(
         sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
     )
     clones = _unflatten_dense_tensors(block, params)
     torch._foreach_copy_(clones, [p.detach() for p in params])  # pylint: disable=protected-access
-    return list(clones)
+    return list(clones), block
+
+
+def _widened_block(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``grads`` back to back in one fp32 buffer, by one concatenation (no view per gradient);
+    None where they differ in dtype or device."""
+    if len({(grad.dtype, grad.device) for grad in grads}) != 1:
+        return None
+    if any(grad.dim() != 1 for grad in grads):
+        grads = [grad.reshape(-1) for grad in grads]
+    return torch.cat(grads).to(torch.float32)
 
 
 def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -374,7 +388,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if on_host:
                 offloaded += param.numel()
             placement.append((param, widen, on_host))
-        clones = iter(_fp32_clones([p for p, widen, on_host in placement if widen and not on_host]))
+        clones, self._clone_block = _fp32_clones(
+            [p for p, widen, on_host in placement if widen and not on_host]
+        )
+        clones = iter(clones)
         for param, widen, on_host in placement:
             if on_host:
                 # Pageable for now: the first step pins the copies it uploads from (see
@@ -733,19 +750,42 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._list_created_state()
         return loss
 
+    def _flat_in_place_step(self) -> Optional[FlatInPlaceStep]:
+        """The flat in-place step of the in-place sub-optimizer of the moment, if it is on."""
+        optimizer = self.gpu_optimizer
+        if optimizer is None or not self.flat_in_place_steps:
+            return None
+        if self._flat_in_place is None or self._flat_in_place.optimizer is not optimizer:
+            self._flat_in_place = FlatInPlaceStep(optimizer)
+        return self._flat_in_place
+
     def _step_in_place(self):
         """The in-place sub-optimizer's step, if there is one: over runs of adjacent tensors
         where it is TE's FusedAdam and its state is laid out for that, else its own."""
-        optimizer = self.gpu_optimizer
-        if optimizer is None:
+        flat = self._flat_in_place_step()
+        if flat is not None and flat.step():
             return
-        flat = self._flat_in_place
-        if self.flat_in_place_steps and (flat is None or flat.optimizer is not optimizer):
-            flat = self._flat_in_place = FlatInPlaceStep(optimizer)
-        if not self.flat_in_place_steps or not flat.step():
-            optimizer.step()
-            if self.flat_in_place_steps:
+        if self.gpu_optimizer is not None:
+            self.gpu_optimizer.step()
+            if flat is not None:
                 flat.lay_out()  # so that the next step can take runs
+
+    def _step_clones_over_runs(self) -> bool:
+        """The in-place step where the in-place sub-optimizer steps the fp32 clones alone and
+        takes runs of them (TE's FusedAdam): their gradients are widened into one buffer laid
+        out like the clones' block and handed over as runs, with no gradient tensor per clone.
+        False (nothing stepped) where that does not apply this step."""
+        flat, block = self._flat_in_place_step(), self._clone_block
+        if flat is None or block is None or not steps_flat(flat.optimizer):
+            return False
+        stepped = sum(len(group["params"]) for group in flat.optimizer.param_groups)
+        if stepped != len(self._clones_in_place):
+            return False
+        grads = [_grad_of(param) for param, _ in self._clones_in_place]
+        if any(grad is None for grad in grads):
+            return False
+        widened = _widened_block(grads)
+        return widened is not None and flat.step(grads=(widened, block.data_ptr()))
 
     def _step_host_bucket(self, bucket: _Bucket):
         """Step one host bucket once its gradients have landed: flat where it can be."""
@@ -828,8 +868,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _step_in_place_whole(self):
         """All the in-place side of a step: the clones' widened gradients, the in-place
         sub-optimizer's step, and the clones copied back into their parameters."""
-        self._widen_clone_grads()
-        self._step_in_place()
+        if not self._step_clones_over_runs():
+            self._widen_clone_grads()
+            self._step_in_place()
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access

@@ -75,6 +75,13 @@ class _Layout:
         ptrs = list(map(torch.Tensor.data_ptr, params))
         self.firsts = [first for first, count, _ in self.runs for _ in range(count)]
         self.distances = [ptr - ptrs[first] for ptr, first in zip(ptrs, self.firsts)]
+        # Where each run starts, and whether every run is one dense fp32 tensor (a run of one
+        # may be any tensor).
+        self.starts = [ptrs[first] for first, _, _ in self.runs]
+        self.dense = all(
+            params[first].dtype == torch.float32 and params[first].is_contiguous()
+            for first, _, _ in self.runs
+        )
 
     def holds(self, values) -> bool:
         """Whether ``values`` lie as the parameters do: dense fp32 tensors of their sizes, at
@@ -118,25 +125,32 @@ class FlatInPlaceStep:
         self._layouts: List[_Layout] = []
         self._seen: Optional[tuple] = None  # the tensors and addresses the last flat step saw
 
-    def _groups(self):
-        """Per group: its parameters, their gradients and each moment's values."""
+    def _groups(self, with_grads: bool = True):
+        """Per group: its parameters, their gradients (or None) and each moment's values."""
         state = self.optimizer.state
         groups = []
         for group in self.optimizer.param_groups:
             params = group["params"]
             entries = [state.get(param) or {} for param in params]
             moments = [list(map(dict.get, entries, repeat(key))) for key in _MOMENTS]
-            groups.append((params, [param.grad for param in params], moments))
+            grads = [param.grad for param in params] if with_grads else None
+            groups.append((params, grads, moments))
         return groups
 
     @torch.no_grad()
-    def step(self) -> bool:
+    def step(self, grads: Optional[Tuple[torch.Tensor, int]] = None) -> bool:
         """Run the optimizer's step over runs, if its mode and state allow; False (nothing
-        done) if not, and the optimizer must step itself."""
+        done) if not, and the optimizer must step itself.
+
+        Args:
+            grads: the gradients of all parameters in one fp32 buffer laid out as the
+                parameters' memory is from address ``base``: ``(buffer, base)``; each
+                parameter's ``grad`` is then not read. None reads each ``grad``.
+        """
         optimizer = self.optimizer
         if not steps_flat(optimizer) or any("step" not in g for g in optimizer.param_groups):
             return False
-        groups = self._groups()
+        groups = self._groups(with_grads=grads is None)
         seen = _look(groups)
         if seen is None:
             return False
@@ -150,13 +164,40 @@ class FlatInPlaceStep:
             ):
                 return False
             self._seen = seen
-        # Gradients are new tensors every step: checked every step.
-        if not all(layout.holds(grads) for (_, grads, _), layout in zip(groups, self._layouts)):
-            return False
-        self._step_runs(groups)
+        if grads is None:
+            # Gradients are new tensors every step: checked every step.
+            if not all(layout.holds(g) for (_, g, _), layout in zip(groups, self._layouts)):
+                return False
+            run_grads = [
+                [_run_tensor(g, run) for run in layout.runs]
+                for (_, g, _), layout in zip(groups, self._layouts)
+            ]
+        else:
+            run_grads = self._grads_from_buffer(*grads)
+            if run_grads is None:
+                return False
+        self._step_runs(groups, run_grads)
         return True
 
-    def _step_runs(self, groups):
+    def _grads_from_buffer(self, buffer: torch.Tensor, base: int):
+        """Each run's gradient as a slice of ``buffer`` (laid out like the parameters from
+        address ``base``), or None where a run is not dense or falls outside it."""
+        if buffer.dtype != torch.float32 or not buffer.is_contiguous():
+            return None
+        run_grads = []
+        for layout in self._layouts:
+            if not layout.dense:
+                return None
+            slices = []
+            for (_, _, numel), start in zip(layout.runs, layout.starts):
+                offset, rest = divmod(start - base, 4)
+                if rest or offset < 0 or offset + numel > buffer.numel():
+                    return None
+                slices.append(buffer[offset : offset + numel])
+            run_grads.append(slices)
+        return run_grads
+
+    def _step_runs(self, groups, run_grads):
         """TE's step on a stand-in optimizer that shares every setting of the real one but
         holds, per group, one tensor per run (with its gradient and moments)."""
         optimizer = self.optimizer
@@ -164,13 +205,15 @@ class FlatInPlaceStep:
         vars(stand_in).update(vars(optimizer))
         stand_in.state = {}
         stand_in.param_groups = []
-        for group, (params, grads, moments), layout in zip(
-            optimizer.param_groups, groups, self._layouts
+        for group, (params, _, moments), layout, grads in zip(
+            optimizer.param_groups, groups, self._layouts, run_grads
         ):
             tensors = []
-            for run in layout.runs:
+            for run, grad in zip(layout.runs, grads):
                 tensor = _run_tensor(params, run)
-                tensor.grad = _run_tensor(grads, run)
+                if tensor is params[run[0]]:  # a run of one: a view, whose grad is its own
+                    tensor = tensor.view_as(tensor)
+                tensor.grad = grad.view_as(tensor)
                 stand_in.state[tensor] = {
                     key: _run_tensor(values, run) for key, values in zip(_MOMENTS, moments)
                 }
