@@ -20,7 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from resume_harness import measure  # noqa: E402  pylint: disable=wrong-import-position
 
 PARTS = {
-    "_widen_clone_grads": "in-place grads",
+    # The whole in-place side: the clones' widened gradients, the in-place optimizer's step
+    # (flat or not) and the clones' copy back. Its own methods, not the in-place optimizer's
+    # step: wrapping that would hide the optimizer from the HDO's flat in-place step.
+    "_step_in_place_whole": "in-place step",
     "_download": "download queueing",
     "_upload": "upload queueing",
 }
@@ -80,10 +83,6 @@ def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str
                 stack.enter_context(_timing(owner, name, "host step", totals))
             if getattr(bucket, "flat", None) is not None:
                 stack.enter_context(_timing(bucket.flat, "step", "host step", totals))
-        if optimizer.gpu_optimizer is not None:
-            # The HDO's own call, not the in-place optimizer's step: wrapping that would hide
-            # the optimizer from the HDO's flat in-place step, which then steps it as it is.
-            stack.enter_context(_timing(optimizer, "_step_in_place", "in-place step", totals))
         for _ in range(steps):
             before()
             if torch.cuda.is_available():

@@ -11,9 +11,14 @@ tensor: TE's own step, over a few runs instead of thousands of tensors.
 The HDO lays out its fp32 clones back to back and widens their gradients into one buffer in
 the same order; the moments TE creates one by one on its first step are then moved into one
 block per run (:meth:`FlatInPlaceStep.lay_out`) and stay the entries' own tensors, re-pointed
-with ``.data``, so what clients read, hold or assign is the state. Anything else (another
+with ``.data``, so what clients read, hold or assign is the state. Where the optimizer steps
+the clones alone, their gradients are concatenated into one buffer laid out like the clones'
+block and handed over as runs, without a gradient tensor per clone. Anything else (another
 class or mode, a step hook, a parameter without a gradient, state that is not laid out, such as
-moments a client moved away and back) leaves the step to the optimizer itself.
+moments a client moved away and back) leaves the step to the optimizer itself, after which the
+moments are laid out again. As with the host blocks, one clone or moment saved or deep-copied
+alone takes its whole block along (a whole state dict takes each block once), and a view a
+client took of a moment before it was laid out still shows the old memory.
 """
 
 from itertools import repeat
