@@ -13,7 +13,9 @@ import io
 import pytest
 import torch
 
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_flat_in_place as flat_in_place
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import adjacent_runs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -118,16 +120,45 @@ def test_in_place_fp32_clones_lie_back_to_back_in_parameter_order():
         assert clone.dtype == torch.float32 and torch.equal(clone, param.detach().float())
 
 
+def test_runs_are_adjacent_fp32_tensors_of_one_storage_up_to_the_cap():
+    """A run goes on while the next tensor starts where the last ended, in the same storage,
+    dense fp32, and the run stays within ``most`` elements (a larger tensor is a run alone)."""
+    block, other = torch.zeros(200), torch.zeros(7)
+    tensors = [block[0:10], block[10:30], block[30:60], other, block[60:100], block[100:200]]
+    assert adjacent_runs(tensors, most=40) == [
+        (0, 2, 30),  # the third would make 60
+        (2, 1, 30),
+        (3, 1, 7),  # another storage
+        (4, 1, 40),  # after another storage: not adjacent to what came before it
+        (5, 1, 100),  # larger than the cap: alone
+    ]
+    assert adjacent_runs(tensors[:3], most=100) == [(0, 3, 60)]
+    halves = torch.zeros(40, dtype=torch.bfloat16)
+    assert adjacent_runs([halves[:20], halves[20:]]) == [(0, 1, 20), (1, 1, 20)]  # not fp32
+    grid = torch.zeros(4, 4)
+    assert adjacent_runs([grid[:2], grid[2:]]) == [(0, 2, 16)]
+    assert adjacent_runs([grid[:, :2], grid[:, 2:]]) == [(0, 1, 8), (1, 1, 8)]  # not dense
+
+
 @requires_te
 @pytest.mark.parametrize(
-    "fp32, runs",
-    [((), 2), ((8,), 4)],
-    ids=["clones only: gradients widened into one buffer", "an fp32 parameter between clones"],
+    "fp32, cap, runs",
+    [((), None, 2), ((8,), None, 4), ((), 4096, 5)],
+    ids=[
+        "clones only: gradients widened into one buffer",
+        "an fp32 parameter between clones",
+        "runs capped at 4096 elements",
+    ],
 )
-def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(monkeypatch, fp32, runs):
+def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
+    monkeypatch, fp32, cap, runs
+):
     """After the first step TE's own step sees a handful of runs, not the in-place tensors one
     by one (one run per group of adjacent clones; an fp32 parameter stepped as it is parts
-    them), and every parameter, moment and group step equals TE stepping them one by one."""
+    them, and so does the cap on a run's size), and every parameter, moment and group step
+    equals TE stepping them one by one."""
+    if cap is not None:
+        monkeypatch.setattr(flat_in_place, "RUN_NUMEL", cap)
     walked = []
     original = FusedAdam.step
 

@@ -37,6 +37,11 @@ _FUSED_ADAM = ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam")
 # A run of parameters: (index of its first in the group, how many, elements in all).
 Run = Tuple[int, int, int]
 
+# Most elements of a run (256 MiB of fp32): laying a run's moments out allocates a block of its
+# size before the moments it replaces are freed, so this bounds what a first step (or one after
+# a client moved the state) holds on top of the state; a few more tensors cost TE nothing.
+RUN_NUMEL = 64 << 20
+
 
 def steps_flat(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is TE's FusedAdam in the mode whose step is one fp32 kernel per
@@ -51,15 +56,18 @@ def steps_flat(optimizer: torch.optim.Optimizer) -> bool:
     return not _hooked(optimizer)
 
 
-def adjacent_runs(tensors: Sequence[torch.Tensor]) -> List[Run]:
+def adjacent_runs(tensors: Sequence[torch.Tensor], most: Optional[int] = None) -> List[Run]:
     """Runs of consecutive dense fp32 tensors that lie back to back in the storage of the
-    run's first (a run of one is any tensor)."""
+    run's first, of at most ``most`` elements (default ``RUN_NUMEL``) unless one tensor alone is
+    larger (a run of one is any tensor)."""
+    most = RUN_NUMEL if most is None else most
     runs: List[List[int]] = []
     end, limit = None, 0
     for index, tensor in enumerate(tensors):
         dense = tensor.dtype == torch.float32 and tensor.is_contiguous()
         start = tensor.data_ptr()
-        if dense and runs and start == end and start + tensor.nbytes <= limit:
+        adjacent = runs and start == end and start + tensor.nbytes <= limit
+        if dense and adjacent and runs[-1][2] + tensor.numel() <= most:
             runs[-1][1] += 1
             runs[-1][2] += tensor.numel()
         else:
