@@ -49,9 +49,11 @@ def steps_flat(optimizer: torch.optim.Optimizer) -> bool:
     cls = type(optimizer)
     if (cls.__module__, cls.__qualname__) != _FUSED_ADAM or "step" in vars(optimizer):
         return False
-    if optimizer.capturable or optimizer.master_weights or optimizer.use_decoupled_grad:
+    modes = ("capturable", "master_weights", "use_decoupled_grad")
+    if any(getattr(optimizer, mode, False) for mode in modes):
         return False
-    if any(optimizer.name_to_dtype_map[key] != torch.float32 for key in _MOMENTS):
+    dtypes = getattr(optimizer, "name_to_dtype_map", {})
+    if any(dtypes.get(key, torch.float32) != torch.float32 for key in _MOMENTS):
         return False
     return not _hooked(optimizer)
 
@@ -138,6 +140,13 @@ class FlatInPlaceStep:
         self._layouts: List[_Layout] = []
         self._seen: Optional[tuple] = None  # the tensors and addresses the last flat step saw
 
+    def _entries(self):
+        """The state entry of every parameter ({} where it has none)."""
+        state = self.optimizer.state
+        return [
+            state.get(p) or {} for group in self.optimizer.param_groups for p in group["params"]
+        ]
+
     def _groups(self, with_grads: bool = True):
         """Per group: its parameters, their gradients (or None) and each moment's values."""
         state = self.optimizer.state
@@ -169,6 +178,8 @@ class FlatInPlaceStep:
             return False
         if seen != self._seen:
             self._seen = None
+            if any("step" in entry for entry in self._entries()):
+                return False  # a counter per parameter: not the group's, which the runs share
             self._layouts = [_Layout(params) for params, _, _ in groups]
             if not all(
                 layout.holds(values)
