@@ -17,6 +17,11 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_flat_in_plac
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import adjacent_runs
 
+try:
+    from optimizer_doubles import GroupStepAdamW
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.optimizer_doubles import GroupStepAdamW
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Sizes that are and are not multiples of a vector or a cache line, in two groups.
@@ -34,9 +39,21 @@ def _te_fused_adam():
 
 
 FusedAdam = _te_fused_adam()
-requires_te = pytest.mark.skipif(
-    FusedAdam is None or not torch.cuda.is_available(), reason="needs Transformer Engine and CUDA"
-)
+
+
+@pytest.fixture(params=["te", "group_step_double"])
+def in_place_cls(request, monkeypatch):
+    """The in-place optimizer: TE's FusedAdam (on CUDA), or, anywhere, the test double that keeps
+    TE's bookkeeping (a step per group, moments per parameter), registered for the flat step."""
+    if request.param == "te":
+        if FusedAdam is None or not torch.cuda.is_available():
+            pytest.skip("needs Transformer Engine and CUDA")
+        return FusedAdam
+    identity = (GroupStepAdamW.__module__, GroupStepAdamW.__qualname__)
+    monkeypatch.setattr(
+        flat_in_place, "FLAT_STEPPED_CLASSES", flat_in_place.FLAT_STEPPED_CLASSES | {identity}
+    )
+    return GroupStepAdamW
 
 
 class PerTensorHDO(HybridDeviceOptimizer):
@@ -140,7 +157,6 @@ def test_runs_are_adjacent_fp32_tensors_of_one_storage_up_to_the_cap():
     assert adjacent_runs([grid[:, :2], grid[:, 2:]]) == [(0, 1, 8), (1, 1, 8)]  # not dense
 
 
-@requires_te
 @pytest.mark.parametrize(
     "fp32, cap, runs",
     [((), None, 2), ((8,), None, 4), ((), 4096, 5)],
@@ -151,7 +167,7 @@ def test_runs_are_adjacent_fp32_tensors_of_one_storage_up_to_the_cap():
     ],
 )
 def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
-    monkeypatch, fp32, cap, runs
+    monkeypatch, in_place_cls, fp32, cap, runs
 ):
     """After the first step TE's own step sees a handful of runs, not the in-place tensors one
     by one (one run per group of adjacent clones; an fp32 parameter stepped as it is parts
@@ -160,16 +176,16 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
     if cap is not None:
         monkeypatch.setattr(flat_in_place, "RUN_NUMEL", cap)
     walked = []
-    original = FusedAdam.step
+    original = in_place_cls.step
 
     def spy(self, *args, **kwargs):
         walked.append(sum(len(group["params"]) for group in self.param_groups))
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(FusedAdam, "step", spy)
+    monkeypatch.setattr(in_place_cls, "step", spy)
     params, ref_params = make_params(fp32=fp32), make_params(fp32=fp32)
-    hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam)
-    reference = make_hdo(PerTensorHDO, ref_params, FusedAdam)
+    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
+    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
         state = generator.get_state()
@@ -188,13 +204,12 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
         assert_same(hdo, reference, params, ref_params)
 
 
-@requires_te
-def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly():
+def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly(in_place_cls):
     """verl-style offload of the optimizer state between steps: the moments go to the host and
     come back as new tensors; the next step is TE's own, then runs again, all exact."""
     params, ref_params = make_params(), make_params()
-    hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam)
-    reference = make_hdo(PerTensorHDO, ref_params, FusedAdam)
+    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
+    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
     generator = torch.Generator().manual_seed(2)
     for step in range(5):
         state = generator.get_state()
@@ -205,22 +220,27 @@ def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly():
             for optimizer in (hdo, reference):
                 for entry in optimizer.state.values():
                     for key in ("exp_avg", "exp_avg_sq"):
-                        entry[key] = entry[key].to("cpu")
+                        entry[key] = entry[key].to("cpu", copy=True)
                 for entry in optimizer.state.values():
                     for key in ("exp_avg", "exp_avg_sq"):
                         if entry[key].device.type == "cpu" and entry.inner.is_cuda:
-                            entry[key] = entry[key].to(DEVICE)
+                            entry[key] = entry[key].to(DEVICE, copy=True)
         hdo.step()
         reference.step()
         assert_same(hdo, reference, params, ref_params)
+    # After the last move the moments were laid out again: each group's lie back to back.
+    for group in hdo.gpu_optimizer.param_groups:
+        for key in ("exp_avg", "exp_avg_sq"):
+            values = [hdo.gpu_optimizer.state[clone][key] for clone in group["params"]]
+            for before, after in zip(values, values[1:]):
+                assert after.data_ptr() == before.data_ptr() + before.nbytes
 
 
-@requires_te
-def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly():
+def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(in_place_cls):
     """A state dict written after flat steps loads into a new HDO, whose steps (its first by
     TE's own walk, then runs) equal the per-tensor optimizer's from the same checkpoint."""
     params = make_params()
-    hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam)
+    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
     generator = torch.Generator().manual_seed(3)
     for _ in range(3):
         give_grads(params, generator)
@@ -230,7 +250,7 @@ def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly():
     resumed = []
     for cls in (HybridDeviceOptimizer, PerTensorHDO):
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        optimizer = make_hdo(cls, copies, FusedAdam)
+        optimizer = make_hdo(cls, copies, in_place_cls)
         buffer.seek(0)
         optimizer.load_state_dict(torch.load(buffer, weights_only=False))
         resumed.append((optimizer, copies))

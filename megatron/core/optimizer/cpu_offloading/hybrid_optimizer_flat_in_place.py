@@ -31,8 +31,12 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import _h
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
-# The optimizer class the flat step drives (its module, its name): Transformer Engine's.
-_FUSED_ADAM = ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam")
+# The optimizer classes the flat step drives, by module and name (no import of TE here):
+# Transformer Engine's FusedAdam. A class belongs here only if its step is elementwise over each
+# group with one counter per group in ``group["step"]`` and per-parameter ``exp_avg`` and
+# ``exp_avg_sq`` as its only state, so that TE's step over a run equals it over the run's
+# tensors.
+FLAT_STEPPED_CLASSES = {("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam")}
 
 # A run of parameters: (index of its first in the group, how many, elements in all).
 Run = Tuple[int, int, int]
@@ -44,10 +48,11 @@ RUN_NUMEL = 64 << 20
 
 
 def steps_flat(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is TE's FusedAdam in the mode whose step is one fp32 kernel per
-    group: no CUDA graphs, no master weights, fp32 moments, gradients in ``grad``, no hooks."""
+    """Whether ``optimizer`` is TE's FusedAdam (``FLAT_STEPPED_CLASSES``) in the mode whose step
+    is one fp32 kernel per group: no CUDA graphs, no master weights, fp32 moments, gradients in
+    ``grad``, no hooks."""
     cls = type(optimizer)
-    if (cls.__module__, cls.__qualname__) != _FUSED_ADAM or "step" in vars(optimizer):
+    if (cls.__module__, cls.__qualname__) not in FLAT_STEPPED_CLASSES or "step" in vars(optimizer):
         return False
     modes = ("capturable", "master_weights", "use_decoupled_grad")
     if any(getattr(optimizer, mode, False) for mode in modes):
