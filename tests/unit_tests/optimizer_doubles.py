@@ -13,6 +13,17 @@ except ImportError:  # torch built without distributed
     DTensor = None
 
 
+def te_fused_adam():
+    """Transformer Engine's FusedAdam class, or None where TE does not import."""
+    try:
+        from transformer_engine.pytorch.optimizers import (  # pylint: disable=import-outside-toplevel
+            FusedAdam,
+        )
+    except ImportError:
+        return None
+    return FusedAdam
+
+
 class GroupStepAdamW(torch.optim.Optimizer):
     """Test double for TE/Apex FusedAdam's bookkeeping: AdamW that counts its step in
     ``param_group["step"]`` (once per group and step) instead of in the per-parameter state.

@@ -18,9 +18,9 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDevice
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import adjacent_runs
 
 try:
-    from optimizer_doubles import GroupStepAdamW
+    from optimizer_doubles import GroupStepAdamW, te_fused_adam
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import GroupStepAdamW
+    from tests.unit_tests.optimizer_doubles import GroupStepAdamW, te_fused_adam
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -28,17 +28,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUMELS = [4096, 1000, 77, 65536, 3, 12288, 513, 2048, 40000, 5]
 
 
-def _te_fused_adam():
-    try:
-        from transformer_engine.pytorch.optimizers import (  # pylint: disable=import-outside-toplevel
-            FusedAdam,
-        )
-    except ImportError:
-        return None
-    return FusedAdam
-
-
-FusedAdam = _te_fused_adam()
+FusedAdam = te_fused_adam()
 
 
 @pytest.fixture(params=["te", "group_step_double"])
@@ -93,9 +83,13 @@ def make_hdo(cls, params, gpu_cls, fraction=0.5):
     )
 
 
-def give_grads(params, generator):
-    for param in params:
-        param.grad = torch.randn(param.numel(), generator=generator).to(DEVICE, param.dtype)
+def give_grads(generator, *param_lists):
+    """The same drawn gradients to each list of parameters (the optimizer and its reference)."""
+    state = generator.get_state()
+    for params in param_lists:
+        generator.set_state(state)
+        for param in params:
+            param.grad = torch.randn(param.numel(), generator=generator).to(DEVICE, param.dtype)
 
 
 def moments(hdo, params):
@@ -188,10 +182,7 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
     reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
-        state = generator.get_state()
-        give_grads(params, generator)
-        generator.set_state(state)
-        give_grads(ref_params, generator)
+        give_grads(generator, params, ref_params)
         walked.clear()
         hdo.step()
         assert walked, "TE's step did not run"
@@ -212,10 +203,7 @@ def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly(in_place_c
     reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
     generator = torch.Generator().manual_seed(2)
     for step in range(5):
-        state = generator.get_state()
-        give_grads(params, generator)
-        generator.set_state(state)
-        give_grads(ref_params, generator)
+        give_grads(generator, params, ref_params)
         if step in (2, 3):
             for optimizer in (hdo, reference):
                 for entry in optimizer.state.values():
@@ -243,7 +231,7 @@ def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(in_place_cls):
     hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
     generator = torch.Generator().manual_seed(3)
     for _ in range(3):
-        give_grads(params, generator)
+        give_grads(generator, params)
         hdo.step()
     buffer = io.BytesIO()
     torch.save(hdo.state_dict(), buffer)
@@ -256,10 +244,7 @@ def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(in_place_cls):
         resumed.append((optimizer, copies))
     (flat, flat_params), (reference, ref_params) = resumed
     for _ in range(3):
-        state = generator.get_state()
-        give_grads(flat_params, generator)
-        generator.set_state(state)
-        give_grads(ref_params, generator)
+        give_grads(generator, flat_params, ref_params)
         flat.step()
         reference.step()
         assert_same(flat, reference, flat_params, ref_params)

@@ -17,9 +17,9 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from optimizer_doubles import GroupStepAdamW
+    from optimizer_doubles import GroupStepAdamW, te_fused_adam
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import GroupStepAdamW
+    from tests.unit_tests.optimizer_doubles import GroupStepAdamW, te_fused_adam
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -521,22 +521,12 @@ def test_loading_offloaded_state_allocates_nothing_on_the_gpu(dtype, stepped_bef
         assert all(v.device.type == "cpu" for v in resumed.state[param].values())
 
 
-def _te_fused_adam():
-    try:
-        from transformer_engine.pytorch.optimizers import (  # pylint: disable=import-outside-toplevel
-            FusedAdam,
-        )
-    except ImportError:
-        return None
-    return FusedAdam
-
-
 @requires_cuda
-@pytest.mark.skipif(_te_fused_adam() is None, reason="needs Transformer Engine")
+@pytest.mark.skipif(te_fused_adam() is None, reason="needs Transformer Engine")
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_te_fused_adam_keeps_its_group_step_across_a_checkpoint(fraction):
     """Genuine TE FusedAdam on the in-place half counts its step in param_group["step"]."""
-    options = _options(fraction, torch.optim.AdamW, _te_fused_adam())
+    options = _options(fraction, torch.optim.AdamW, te_fused_adam())
     writer, reader = _save_then_resume(HybridDeviceOptimizer, HybridDeviceOptimizer, options)
     # 3 steps, a checkpoint, 2 more. Groups stepped only on the host keep torch's
     # per-parameter step instead of a mirrored group step.
