@@ -92,6 +92,19 @@ def give_grads(generator, *param_lists):
             param.grad = torch.randn(param.numel(), generator=generator).to(DEVICE, param.dtype)
 
 
+def count_walked(monkeypatch, cls):
+    """A list that gets, for each call of ``cls.step``, the tensors its groups hold."""
+    walked = []
+    original = cls.step
+
+    def spy(self, *args, **kwargs):
+        walked.append(sum(len(group["params"]) for group in self.param_groups))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "step", spy)
+    return walked
+
+
 def moments(hdo, params):
     """The moments of the parameters stepped in place."""
     return [
@@ -169,14 +182,7 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
     equals TE stepping them one by one."""
     if cap is not None:
         monkeypatch.setattr(flat_in_place, "RUN_NUMEL", cap)
-    walked = []
-    original = in_place_cls.step
-
-    def spy(self, *args, **kwargs):
-        walked.append(sum(len(group["params"]) for group in self.param_groups))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(in_place_cls, "step", spy)
+    walked = count_walked(monkeypatch, in_place_cls)
     params, ref_params = make_params(fp32=fp32), make_params(fp32=fp32)
     hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
     reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
@@ -248,3 +254,26 @@ def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(in_place_cls):
         flat.step()
         reference.step()
         assert_same(flat, reference, flat_params, ref_params)
+
+
+def test_a_step_where_an_in_place_parameter_has_no_gradient_is_the_optimizer_s_own(
+    monkeypatch, in_place_cls
+):
+    """TE skips a parameter without a gradient, which a run cannot: that step is TE's walk, the
+    next ones take runs again, and all equal TE stepping the tensors one by one."""
+    walked = count_walked(monkeypatch, in_place_cls)
+    params, ref_params = make_params(), make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
+    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
+    generator = torch.Generator().manual_seed(4)
+    frozen = len(NUMELS) - 2  # in place, in the second group
+    for step in range(4):
+        give_grads(generator, params, ref_params)
+        if step == 2:
+            params[frozen].grad = ref_params[frozen].grad = None
+        walked.clear()
+        hdo.step()
+        in_place = sum(len(group["params"]) for group in hdo.gpu_optimizer.param_groups)
+        assert walked == ([in_place] if step in (0, 2) else [2]), (step, walked)
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)

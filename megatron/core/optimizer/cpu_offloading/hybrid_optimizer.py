@@ -151,7 +151,9 @@ def _fp32_clones(params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Option
     ``params`` where they share a device (else no block), so that the in-place step can take
     runs of them as one tensor, with their gradients widened into one buffer laid out alike
     (see :mod:`hybrid_optimizer_flat_in_place`)."""
-    if not params or len({p.device for p in params}) != 1:
+    plain = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
+    if not params or not plain or len({p.device for p in params}) != 1:
+        # A DTensor's clone must stay a DTensor: no block.
         return [p.detach().to(torch.float32, copy=True) for p in params], None
     block = torch.empty(
         sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
@@ -163,8 +165,12 @@ def _fp32_clones(params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Option
 
 def _widened_block(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
     """``grads`` back to back in one fp32 buffer, by one concatenation (no view per gradient);
-    None where they differ in dtype or device."""
-    if len({(grad.dtype, grad.device) for grad in grads}) != 1:
+    None where they differ in dtype or device or are not plain tensors. fp32 gradients (the
+    precision-aware optimizer's) are concatenated straight into it; 16-bit ones are concatenated,
+    then widened, which holds their 16-bit concatenation beside it for a moment."""
+    if len({(type(grad), grad.dtype, grad.device) for grad in grads}) != 1:
+        return None
+    if type(grads[0]) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if any(grad.dim() != 1 for grad in grads):
         grads = [grad.reshape(-1) for grad in grads]
@@ -785,7 +791,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if any(grad is None for grad in grads):
             return False
         widened = _widened_block(grads)
-        return widened is not None and flat.step(grads=(widened, block.data_ptr()))
+        if widened is None or widened.numel() != block.numel():
+            return False  # a gradient of another size: the offsets would not match
+        return flat.step(grads=(widened, block.data_ptr()))
 
     def _step_host_bucket(self, bucket: _Bucket):
         """Step one host bucket once its gradients have landed: flat where it can be."""

@@ -31,6 +31,9 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import _h
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
+# Tensor types whose memory runs are taken of (subclasses such as DTensor are left to TE).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 # The optimizer classes the flat step drives, by module and name (no import of TE here):
 # Transformer Engine's FusedAdam. A class belongs here only if its step is elementwise over each
 # group with one counter per group in ``group["step"]`` and per-parameter ``exp_avg`` and
@@ -144,6 +147,7 @@ class FlatInPlaceStep:
         self.optimizer = optimizer
         self._layouts: List[_Layout] = []
         self._seen: Optional[tuple] = None  # the tensors and addresses the last flat step saw
+        self._checked: Optional[tuple] = None  # and those the last lay-out left
 
     def _entries(self):
         """The state entry of every parameter ({} where it has none)."""
@@ -178,6 +182,8 @@ class FlatInPlaceStep:
         if not steps_flat(optimizer) or any("step" not in g for g in optimizer.param_groups):
             return False
         groups = self._groups(with_grads=grads is None)
+        if grads is None and any(g is None for _, group_grads, _ in groups for g in group_grads):
+            return False  # a parameter without a gradient: TE skips it, a run could not
         seen = _look(groups)
         if seen is None:
             return False
@@ -256,14 +262,18 @@ class FlatInPlaceStep:
     def lay_out(self):
         """Move moments that do not lie like their run of parameters into one block per run,
         re-pointing each with ``.data`` (after the optimizer's own step, a load, a client)."""
-        self._seen = None
         if not steps_flat(self.optimizer):
             return
-        for params, _, moments in self._groups():
+        groups = self._groups(with_grads=False)
+        seen = _look(groups)
+        if seen is None or seen in (self._seen, self._checked):
+            return  # as a flat step or the last lay-out left it
+        for params, _, moments in groups:
             layout = _Layout(params)
             for values in moments:
                 if layout.holds(values) or not all(map(_fits, values, params)):
                     continue
+                self._seen = None
                 for first, count, numel in layout.runs:
                     if count == 1:
                         continue
@@ -273,6 +283,7 @@ class FlatInPlaceStep:
                     torch._foreach_copy_(views, span)  # pylint: disable=protected-access
                     for value, view in zip(span, views):
                         value.data = view
+        self._checked = _look(groups)
 
 
 def _fits(value, param: torch.Tensor) -> bool:
@@ -287,14 +298,15 @@ def _fits(value, param: torch.Tensor) -> bool:
 
 
 def _look(groups) -> Optional[tuple]:
-    """Which tensors the groups hold and where their memory is, as numbers (nothing kept
-    alive); None where a moment is missing."""
-    tensors = []
+    """Which tensors the groups hold, how many each, and where their memory is, as numbers
+    (nothing kept alive); None where a moment is missing or a tensor is not a plain one (a
+    DTensor's memory is not its own to take runs of)."""
+    tensors, sizes = [], []
     for params, _, moments in groups:
+        sizes.append(len(params))
         tensors += params
         for values in moments:
             tensors += values
-    try:
-        return tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
-    except TypeError:
+    if not all(type(tensor) in _PLAIN for tensor in tensors):
         return None
+    return tuple(sizes), tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
