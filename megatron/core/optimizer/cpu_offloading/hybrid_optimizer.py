@@ -46,6 +46,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
+    PLAIN_TENSORS,
     FlatInPlaceStep,
     steps_flat,
 )
@@ -151,7 +152,7 @@ def _fp32_clones(params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Option
     ``params`` where they share a device (else no block), so that the in-place step can take
     runs of them as one tensor, with their gradients widened into one buffer laid out alike
     (see :mod:`hybrid_optimizer_flat_in_place`)."""
-    plain = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in params)
+    plain = all(type(p) in PLAIN_TENSORS for p in params)
     if not params or not plain or len({p.device for p in params}) != 1:
         # A DTensor's clone must stay a DTensor: no block.
         return [p.detach().to(torch.float32, copy=True) for p in params], None
@@ -168,9 +169,8 @@ def _widened_block(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
     None where they differ in dtype or device or are not plain tensors. fp32 gradients (the
     precision-aware optimizer's) are concatenated straight into it; 16-bit ones are concatenated,
     then widened, which holds their 16-bit concatenation beside it for a moment."""
-    if len({(type(grad), grad.dtype, grad.device) for grad in grads}) != 1:
-        return None
-    if type(grads[0]) not in (torch.Tensor, torch.nn.Parameter):
+    kinds = {(type(grad), grad.dtype, grad.device) for grad in grads}
+    if len(kinds) != 1 or type(grads[0]) not in PLAIN_TENSORS:
         return None
     if any(grad.dim() != 1 for grad in grads):
         grads = [grad.reshape(-1) for grad in grads]

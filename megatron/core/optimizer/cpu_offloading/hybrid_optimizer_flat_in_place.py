@@ -32,7 +32,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import _h
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 # Tensor types whose memory runs are taken of (subclasses such as DTensor are left to TE).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 # The optimizer classes the flat step drives, by module and name (no import of TE here):
 # Transformer Engine's FusedAdam. A class belongs here only if its step is elementwise over each
@@ -307,6 +307,6 @@ def _look(groups) -> Optional[tuple]:
         tensors += params
         for values in moments:
             tensors += values
-    if not all(type(tensor) in _PLAIN for tensor in tensors):
+    if not all(type(tensor) in PLAIN_TENSORS for tensor in tensors):
         return None
     return tuple(sizes), tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
