@@ -67,6 +67,8 @@ def make_params(seed=0, fp32=()):
 
 
 def make_hdo(cls, params, gpu_cls, fraction=0.5):
+    """An HDO of class ``cls`` over ``params`` in two groups, as Megatron's factory configures
+    it, with ``gpu_cls`` in place."""
     groups = [
         {"params": params[:6], "weight_decay": 0.01},
         {"params": params[6:], "weight_decay": 0.0},
@@ -114,7 +116,19 @@ def moments(hdo, params):
     ]
 
 
+def assert_moments_laid_out(optimizer):
+    """Each run of adjacent in-place tensors has its moments back to back, key by key."""
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for first, count, _ in adjacent_runs(params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                values = [optimizer.state[p][key] for p in params[first : first + count]]
+                for before, after in zip(values, values[1:]):
+                    assert after.data_ptr() == before.data_ptr() + before.nbytes, key
+
+
 def assert_same(hdo, reference, params, ref_params):
+    """Parameters, in-place moments, inner copies and group steps equal bit for bit."""
     for index, (a, b) in enumerate(zip(params, ref_params)):
         assert torch.equal(a, b), f"parameter {index} differs"
     for index, (mine, theirs) in enumerate(
@@ -126,6 +140,19 @@ def assert_same(hdo, reference, params, ref_params):
         assert torch.equal(a, b)
     steps = [g.get("step") for g in hdo.gpu_optimizer.param_groups]
     assert steps == [g.get("step") for g in reference.gpu_optimizer.param_groups]
+
+
+def step_both_over_runs(walked, generator, ours, theirs, steps):
+    """``steps`` steps of both (HDO, parameters) pairs on the same gradients: ours takes two runs
+    each time, and both stay equal."""
+    (hdo, params), (reference, ref_params) = ours, theirs
+    for _ in range(steps):
+        give_grads(generator, params, ref_params)
+        walked.clear()
+        hdo.step()
+        assert walked == [2], walked
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)
 
 
 def test_in_place_fp32_clones_lie_back_to_back_in_parameter_order():
@@ -176,10 +203,10 @@ def test_runs_are_adjacent_fp32_tensors_of_one_storage_up_to_the_cap():
 def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
     monkeypatch, in_place_cls, fp32, cap, runs
 ):
-    """After the first step TE's own step sees a handful of runs, not the in-place tensors one
-    by one (one run per group of adjacent clones; an fp32 parameter stepped as it is parts
-    them, and so does the cap on a run's size), and every parameter, moment and group step
-    equals TE stepping them one by one."""
+    """From the first step on TE's own step sees a handful of runs, not the in-place tensors
+    one by one (one run per group of adjacent clones; an fp32 parameter stepped as it is parts
+    them, and so does the cap on a run's size): the first step creates the moments laid out.
+    Every parameter, moment and group step equals TE stepping them one by one."""
     if cap is not None:
         monkeypatch.setattr(flat_in_place, "RUN_NUMEL", cap)
     walked = count_walked(monkeypatch, in_place_cls)
@@ -191,12 +218,8 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
         give_grads(generator, params, ref_params)
         walked.clear()
         hdo.step()
-        assert walked, "TE's step did not run"
-        in_place = sum(len(group["params"]) for group in hdo.gpu_optimizer.param_groups)
-        if step == 0:
-            assert walked == [in_place]  # state is created tensor by tensor
-        else:
-            assert walked == [runs], walked
+        assert walked == [runs], (step, walked)
+        assert_moments_laid_out(hdo.gpu_optimizer)
         reference.step()
         assert_same(hdo, reference, params, ref_params)
 
@@ -222,25 +245,33 @@ def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly(in_place_c
         hdo.step()
         reference.step()
         assert_same(hdo, reference, params, ref_params)
-    # After the last move the moments were laid out again: each group's lie back to back.
-    for group in hdo.gpu_optimizer.param_groups:
-        for key in ("exp_avg", "exp_avg_sq"):
-            values = [hdo.gpu_optimizer.state[clone][key] for clone in group["params"]]
-            for before, after in zip(values, values[1:]):
-                assert after.data_ptr() == before.data_ptr() + before.nbytes
+    # After the last move the moments were laid out again.
+    assert_moments_laid_out(hdo.gpu_optimizer)
 
 
-def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(in_place_cls):
-    """A state dict written after flat steps loads into a new HDO, whose steps (its first by
-    TE's own walk, then runs) equal the per-tensor optimizer's from the same checkpoint."""
+def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(monkeypatch, in_place_cls):
+    """A state dict written after flat steps loads into a new HDO: the moments land laid out,
+    so its steps take runs from the first, and equal the per-tensor optimizer's from the same
+    checkpoint."""
+    walked = count_walked(monkeypatch, in_place_cls)
     params = make_params()
     hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
     generator = torch.Generator().manual_seed(3)
     for _ in range(3):
         give_grads(generator, params)
         hdo.step()
+    saved = hdo.state_dict()
+    # One tensor each, as a distributed checkpoint hands them over (torch.save alone would keep
+    # the views into one block).
+    saved["state"] = {
+        key: {
+            name: value.clone() if torch.is_tensor(value) else value
+            for name, value in entry.items()
+        }
+        for key, entry in saved["state"].items()
+    }
     buffer = io.BytesIO()
-    torch.save(hdo.state_dict(), buffer)
+    torch.save(saved, buffer)
     resumed = []
     for cls in (HybridDeviceOptimizer, PerTensorHDO):
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -249,18 +280,15 @@ def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(in_place_cls):
         optimizer.load_state_dict(torch.load(buffer, weights_only=False))
         resumed.append((optimizer, copies))
     (flat, flat_params), (reference, ref_params) = resumed
-    for _ in range(3):
-        give_grads(generator, flat_params, ref_params)
-        flat.step()
-        reference.step()
-        assert_same(flat, reference, flat_params, ref_params)
+    assert_moments_laid_out(flat.gpu_optimizer)
+    step_both_over_runs(walked, generator, (flat, flat_params), (reference, ref_params), 3)
 
 
 def test_a_step_where_an_in_place_parameter_has_no_gradient_is_the_optimizer_s_own(
     monkeypatch, in_place_cls
 ):
     """TE skips a parameter without a gradient, which a run cannot: that step is TE's walk, the
-    next ones take runs again, and all equal TE stepping the tensors one by one."""
+    others take runs, and all equal TE stepping the tensors one by one."""
     walked = count_walked(monkeypatch, in_place_cls)
     params, ref_params = make_params(), make_params()
     hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
@@ -274,6 +302,62 @@ def test_a_step_where_an_in_place_parameter_has_no_gradient_is_the_optimizer_s_o
         walked.clear()
         hdo.step()
         in_place = sum(len(group["params"]) for group in hdo.gpu_optimizer.param_groups)
-        assert walked == ([in_place] if step in (0, 2) else [2]), (step, walked)
+        assert walked == ([in_place] if step == 2 else [2]), (step, walked)
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)
+
+
+def test_dummy_step_creates_te_s_zero_moments_laid_out(monkeypatch, in_place_cls):
+    """The distributed optimizer's scaffold materialises state by ``dummy_step`` before a load
+    fills it in place: the in-place moments are then TE's (zero fp32, every parameter, no
+    step counted) but laid out, so the first step takes runs and moves nothing."""
+    walked = count_walked(monkeypatch, in_place_cls)
+    params, ref_params = make_params(), make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
+    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
+    hdo.dummy_step()
+    reference.dummy_step()
+    assert_moments_laid_out(hdo.gpu_optimizer)
+    ours, theirs = hdo.gpu_optimizer, reference.gpu_optimizer
+    for group, ref_group in zip(ours.param_groups, theirs.param_groups):
+        assert group.get("step") == ref_group.get("step")
+        for clone, ref_clone in zip(group["params"], ref_group["params"]):
+            mine, expected = ours.state[clone], theirs.state[ref_clone]
+            assert list(mine) == list(expected)
+            for key in expected:
+                assert mine[key].dtype == expected[key].dtype == torch.float32
+                assert mine[key].shape == expected[key].shape
+                assert torch.equal(mine[key], expected[key])
+    generator = torch.Generator().manual_seed(5)
+    step_both_over_runs(walked, generator, (hdo, params), (reference, ref_params), 2)
+
+
+def test_n_dimensional_in_place_parameters_step_over_runs_exactly(monkeypatch, in_place_cls):
+    """Matrices stepped in place (an HDO over a model's own parameters, no distributed
+    optimizer): their gradients are flattened into the widened buffer and the runs still
+    equal TE stepping each matrix."""
+    walked = count_walked(monkeypatch, in_place_cls)
+    shapes = [(64, 32), (7, 5), (128,), (3, 4, 5), (256, 16)]
+
+    def matrices(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [
+            torch.nn.Parameter(torch.randn(shape, generator=generator).to(DEVICE, torch.bfloat16))
+            for shape in shapes
+        ]
+
+    params, ref_params = matrices(0), matrices(0)
+    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls, fraction=0.0)
+    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls, fraction=0.0)
+    generator = torch.Generator().manual_seed(6)
+    for _ in range(3):
+        state = generator.get_state()
+        for group in (params, ref_params):
+            generator.set_state(state)
+            for param in group:
+                param.grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
+        walked.clear()
+        hdo.step()
+        assert walked == [1], walked  # one run: the five matrices, all in the first group
         reference.step()
         assert_same(hdo, reference, params, ref_params)

@@ -1190,6 +1190,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._ensure_built()
         planned = self._plan_load(state_dict)
         self._load_guard.failure = "load_state_dict did not complete"
+        flat = self._flat_in_place_step()
+        if flat is not None:
+            # Moments loaded into an in-place optimizer without state land in blocks laid out
+            # for the flat step, so that its first step need not move them.
+            flat.create_state(
+                only={
+                    id(self.param_to_inner_param[param])
+                    for param, values in planned.items()
+                    if all(key in values for key in ("exp_avg", "exp_avg_sq"))
+                }
+            )
         loaded = {}
         for param, values in planned.items():
             inner = self.param_to_inner_param[param]
@@ -1269,9 +1280,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         Each sub-optimizer takes a null step (zero gradients, learning rate and weight
         decay) on its parameters that have no state yet, then gets its counters and
         hyperparameters back: the result equals a never-stepped optimizer whose state
-        tensors already exist, which is what an in-place checkpoint load needs.
+        tensors already exist, which is what an in-place checkpoint load needs. TE's moments
+        are created laid out for the flat in-place step instead (zeros, as TE makes them).
         """
         self._ensure_built()
+        flat = self._flat_in_place_step()
+        if flat is not None:
+            flat.create_state()  # laid out for the flat step; the null step skips it then
         for optimizer in self.sub_optimizers:
             materialise_by_null_step(optimizer)
         self._sync_sub_optimizers_state_to_hdo()

@@ -9,9 +9,13 @@ storage, with their gradients and both moments laid out alike, can be handed to 
 tensor: TE's own step, over a few runs instead of thousands of tensors.
 
 The HDO lays out its fp32 clones back to back and widens their gradients into one buffer in
-the same order; the moments TE creates one by one on its first step are then moved into one
-block per run (:meth:`FlatInPlaceStep.lay_out`) and stay the entries' own tensors, re-pointed
-with ``.data``, so what clients read, hold or assign is the state. Where the optimizer steps
+the same order. The moments are created laid out, one block per run, with the zeros TE would
+create (:meth:`FlatInPlaceStep.create_state`: on the first step, by ``dummy_step``, or as a
+load into an optimizer without state fills them), so the first step takes runs too and no
+block of moments is ever held twice. Moments that lie otherwise (TE's own step created them, a
+client put others there) are moved into one block per run (:meth:`FlatInPlaceStep.lay_out`),
+re-pointed with ``.data``: they stay the entries' own tensors, so what clients read, hold or
+assign is the state. Where the optimizer steps
 the clones alone, their gradients are concatenated into one buffer laid out like the clones'
 block and handed over as runs, without a gradient tensor per clone. Anything else (another
 class or mode, a step hook, a parameter without a gradient, state that is not laid out, such as
@@ -22,7 +26,7 @@ client took of a moment before it was laid out still shows the old memory.
 """
 
 from itertools import repeat
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -45,8 +49,8 @@ FLAT_STEPPED_CLASSES = {("transformer_engine.pytorch.optimizers.fused_adam", "Fu
 Run = Tuple[int, int, int]
 
 # Most elements of a run (256 MiB of fp32): laying a run's moments out allocates a block of its
-# size before the moments it replaces are freed, so this bounds what a first step (or one after
-# a client moved the state) holds on top of the state; a few more tensors cost TE nothing.
+# size before the moments it replaces are freed, so this bounds what a step after a client moved
+# the state holds on top of it; a few more tensors cost TE nothing.
 RUN_NUMEL = 64 << 20
 
 
@@ -178,13 +182,15 @@ class FlatInPlaceStep:
                 parameters' memory is from address ``base``: ``(buffer, base)``; each
                 parameter's ``grad`` is then not read. None reads each ``grad``.
         """
-        optimizer = self.optimizer
-        if not steps_flat(optimizer) or any("step" not in g for g in optimizer.param_groups):
+        if not steps_flat(self.optimizer):
             return False
         groups = self._groups(with_grads=grads is None)
         if grads is None and any(g is None for _, group_grads, _ in groups for g in group_grads):
             return False  # a parameter without a gradient: TE skips it, a run could not
         seen = _look(groups)
+        if seen is None and self.create_state():  # a first step: TE would create them now
+            groups = self._groups(with_grads=grads is None)
+            seen = _look(groups)
         if seen is None:
             return False
         if seen != self._seen:
@@ -259,6 +265,37 @@ class FlatInPlaceStep:
             group["step"] = stepped["step"]
 
     @torch.no_grad()
+    def create_state(self, only: Optional[Set[int]] = None) -> bool:
+        """Give each group whose parameters have no state yet the zero fp32 moments TE creates
+        on a first step, laid out: one block per run of adjacent parameters, each parameter's
+        moments views into it, so that no step or lay-out has to move them later. Groups with
+        any state, an empty or non-plain tensor, or a parameter whose ``id`` is not in ``only``
+        (where given) are left to TE.
+
+        Returns:
+            Whether any state was created.
+        """
+        optimizer = self.optimizer
+        if not steps_flat(optimizer):
+            return False
+        created = False
+        for group in optimizer.param_groups:
+            params = group["params"]
+            if not params or any(optimizer.state.get(p) for p in params):
+                continue
+            if not all(type(p) in PLAIN_TENSORS and p.numel() > 0 for p in params):
+                continue
+            if only is not None and not all(id(p) in only for p in params):
+                continue
+            runs = adjacent_runs(params)
+            moments = [[v for run in runs for v in _zero_moments(params, run)] for _ in _MOMENTS]
+            for param, values in zip(params, zip(*moments)):
+                for key, value in zip(_MOMENTS, values):
+                    optimizer.state[param][key] = value
+            created = True
+        return created
+
+    @torch.no_grad()
     def lay_out(self):
         """Move moments that do not lie like their run of parameters into one block per run,
         re-pointing each with ``.data`` (after the optimizer's own step, a load, a client)."""
@@ -284,6 +321,16 @@ class FlatInPlaceStep:
                     for value, view in zip(span, views):
                         value.data = view
         self._checked = _look(groups)
+
+
+def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor]:
+    """Zero fp32 moments for the parameters of ``run``: views into one block where the run is
+    longer than one, else one tensor shaped like the parameter (as TE allocates it)."""
+    first, count, numel = run
+    if count == 1:
+        return [torch.zeros_like(params[first], dtype=torch.float32)]
+    block = torch.zeros(numel, dtype=torch.float32, device=params[first].device)
+    return list(_unflatten_dense_tensors(block, params[first : first + count]))
 
 
 def _fits(value, param: torch.Tensor) -> bool:
