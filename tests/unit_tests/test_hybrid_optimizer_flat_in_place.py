@@ -361,3 +361,33 @@ def test_n_dimensional_in_place_parameters_step_over_runs_exactly(monkeypatch, i
         assert walked == [1], walked  # one run: the five matrices, all in the first group
         reference.step()
         assert_same(hdo, reference, params, ref_params)
+
+
+@pytest.mark.skipif(
+    FusedAdam is None or not torch.cuda.is_available(), reason="needs Transformer Engine and CUDA"
+)
+def test_first_step_holds_each_moment_once_on_the_gpu():
+    """The first step's peak GPU memory is the widened gradients and TE's moments, each held
+    once: creating the moments one by one and then laying them out would hold a run's block of
+    one moment on top of that (TE's kernel itself allocates nothing of a tensor's size)."""
+    # Two groups (``make_hdo`` parts them after six), one run each: about 4M and 2M elements.
+    numels = [1 << 20] * 3 + [3000, 1 << 19, 1 << 19] + [1 << 20] * 2
+    generator = torch.Generator().manual_seed(7)
+    params = [
+        torch.nn.Parameter(torch.randn(n, generator=generator).to("cuda", torch.bfloat16))
+        for n in numels
+    ]
+    hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam, fraction=0.0)
+    hdo._ensure_built()  # pylint: disable=protected-access
+    for param in params:
+        param.grad = torch.randn(param.numel(), generator=generator).to("cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    hdo.step()
+    torch.cuda.synchronize()
+    in_place = sum(numels)
+    moments, widened = 8 * in_place, 4 * in_place
+    slack = 1 << 20
+    assert slack < 4 * sum(numels[6:])  # less than the smaller run's block of one moment
+    assert torch.cuda.max_memory_allocated() - before <= moments + widened + slack
