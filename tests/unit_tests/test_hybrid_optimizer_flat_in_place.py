@@ -85,6 +85,16 @@ def make_hdo(cls, params, gpu_cls, fraction=0.5):
     )
 
 
+def flat_and_reference(in_place_cls, fp32=()):
+    """An HDO that steps in place over runs and its per-tensor reference, each with its own
+    parameters of the same values: ``(hdo, params), (reference, ref_params)``."""
+    params, ref_params = make_params(fp32=fp32), make_params(fp32=fp32)
+    return (
+        (make_hdo(HybridDeviceOptimizer, params, in_place_cls), params),
+        (make_hdo(PerTensorHDO, ref_params, in_place_cls), ref_params),
+    )
+
+
 def give_grads(generator, *param_lists):
     """The same drawn gradients to each list of parameters (the optimizer and its reference)."""
     state = generator.get_state()
@@ -114,6 +124,15 @@ def moments(hdo, params):
         for p in params
         if p not in hdo.gpu_params_map_cpu_copy
     ]
+
+
+def reassign_moments(optimizers, move):
+    """As a client does between training phases: every moment of every entry replaced by
+    ``move(entry, moment)``."""
+    for optimizer in optimizers:
+        for entry in optimizer.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                entry[key] = move(entry, entry[key])
 
 
 def assert_moments_laid_out(optimizer):
@@ -210,9 +229,7 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
     if cap is not None:
         monkeypatch.setattr(flat_in_place, "RUN_NUMEL", cap)
     walked = count_walked(monkeypatch, in_place_cls)
-    params, ref_params = make_params(fp32=fp32), make_params(fp32=fp32)
-    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
-    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
+    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls, fp32=fp32)
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
         give_grads(generator, params, ref_params)
@@ -227,25 +244,52 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
 def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly(in_place_cls):
     """verl-style offload of the optimizer state between steps: the moments go to the host and
     come back as new tensors; the next step is TE's own, then runs again, all exact."""
-    params, ref_params = make_params(), make_params()
-    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
-    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
+    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
     generator = torch.Generator().manual_seed(2)
     for step in range(5):
         give_grads(generator, params, ref_params)
         if step in (2, 3):
-            for optimizer in (hdo, reference):
-                for entry in optimizer.state.values():
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        entry[key] = entry[key].to("cpu", copy=True)
-                for entry in optimizer.state.values():
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if entry[key].device.type == "cpu" and entry.inner.is_cuda:
-                            entry[key] = entry[key].to(DEVICE, copy=True)
+            reassign_moments((hdo, reference), lambda entry, value: value.to("cpu", copy=True))
+            reassign_moments(
+                (hdo, reference), lambda entry, value: value.to(entry.inner.device, copy=True)
+            )
         hdo.step()
         reference.step()
         assert_same(hdo, reference, params, ref_params)
     # After the last move the moments were laid out again.
+    assert_moments_laid_out(hdo.gpu_optimizer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="parks the state on the host")
+@pytest.mark.parametrize("taken_home_by", ["_move_new_state_to_right_device", "the next step"])
+def test_te_state_parked_on_the_host_comes_home_laid_out(monkeypatch, in_place_cls, taken_home_by):
+    """verl's and slime's offload between training and rollout: every moment goes to the host
+    by ``.to("cpu", non_blocking=True)`` and is taken home by the HDO's
+    ``_move_new_state_to_right_device()`` (or by the next step): into one block per run, so
+    the step after takes runs, and all equal TE stepping the tensors one by one."""
+    walked = count_walked(monkeypatch, in_place_cls)
+    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
+    generator = torch.Generator().manual_seed(8)
+    for step in range(4):
+        give_grads(generator, params, ref_params)
+        if step == 2:
+            reassign_moments((hdo, reference), lambda _, value: value.to("cpu", non_blocking=True))
+            torch.cuda.synchronize()
+            assert all(
+                hdo.gpu_optimizer.state[clone][key].device.type == "cpu"
+                for group in hdo.gpu_optimizer.param_groups
+                for clone in group["params"]
+                for key in ("exp_avg", "exp_avg_sq")
+            )
+            if taken_home_by != "the next step":
+                for optimizer in (hdo, reference):
+                    getattr(optimizer, taken_home_by)()
+                assert_moments_laid_out(hdo.gpu_optimizer)
+        walked.clear()
+        hdo.step()
+        assert walked == [2], (step, walked)
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)
     assert_moments_laid_out(hdo.gpu_optimizer)
 
 
@@ -290,9 +334,7 @@ def test_a_step_where_an_in_place_parameter_has_no_gradient_is_the_optimizer_s_o
     """TE skips a parameter without a gradient, which a run cannot: that step is TE's walk, the
     others take runs, and all equal TE stepping the tensors one by one."""
     walked = count_walked(monkeypatch, in_place_cls)
-    params, ref_params = make_params(), make_params()
-    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
-    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
+    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
     generator = torch.Generator().manual_seed(4)
     frozen = len(NUMELS) - 2  # in place, in the second group
     for step in range(4):
@@ -312,9 +354,7 @@ def test_dummy_step_creates_te_s_zero_moments_laid_out(monkeypatch, in_place_cls
     fills it in place: the in-place moments are then TE's (zero fp32, every parameter, no
     step counted) but laid out, so the first step takes runs and moves nothing."""
     walked = count_walked(monkeypatch, in_place_cls)
-    params, ref_params = make_params(), make_params()
-    hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
-    reference = make_hdo(PerTensorHDO, ref_params, in_place_cls)
+    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
     hdo.dummy_step()
     reference.dummy_step()
     assert_moments_laid_out(hdo.gpu_optimizer)

@@ -1061,6 +1061,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if not isinstance(optimizer.state, StateMap):
                 self._adopt_sub_optimizer_state(optimizer)
         parked = self._state_changes.parked
+        if parked:
+            self._lay_out_in_place_state()
         for entry in parked.values():
             entry.settle()
         parked.clear()
@@ -1126,9 +1128,17 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         sub-optimizer keeps it in. State already home is left as it is, so nothing is
         allocated on the accelerator for host-resident state.
         """
+        self._lay_out_in_place_state()
         for entry in self._entries.values():
             entry.settle()
         self._state_changes.parked.clear()
+
+    def _lay_out_in_place_state(self):
+        """Take the in-place moments home laid out for the flat in-place step (one block per
+        run), where a client parked them on the host between training phases."""
+        flat = self._flat_in_place_step()
+        if flat is not None:
+            flat.lay_out()
 
     @torch.no_grad()
     def _settle(self, inner, optimizer, live, key, value):

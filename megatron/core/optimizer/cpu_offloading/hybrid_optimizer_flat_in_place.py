@@ -99,6 +99,7 @@ class _Layout:
     def __init__(self, params: Sequence[torch.Tensor]):
         self.runs = adjacent_runs(params)
         self.numels = list(map(torch.Tensor.numel, params))
+        self.devices = [param.device for param in params]
         ptrs = list(map(torch.Tensor.data_ptr, params))
         self.firsts = [first for first, count, _ in self.runs for _ in range(count)]
         self.distances = [ptr - ptrs[first] for ptr, first in zip(ptrs, self.firsts)]
@@ -111,13 +112,16 @@ class _Layout:
         )
 
     def holds(self, values) -> bool:
-        """Whether ``values`` lie as the parameters do: dense fp32 tensors of their sizes, at
-        the same distances from their run's first, inside that first one's storage."""
+        """Whether ``values`` lie as the parameters do: dense fp32 tensors of their sizes on
+        their devices, at the same distances from their run's first, inside that first one's
+        storage."""
         try:
             ptrs = list(map(torch.Tensor.data_ptr, values))
         except TypeError:  # a value missing or no tensor
             return False
         if list(map(torch.Tensor.numel, values)) != self.numels:
+            return False
+        if [value.device for value in values] != self.devices:
             return False
         if any(value.dtype != torch.float32 for value in values):
             return False
@@ -297,17 +301,21 @@ class FlatInPlaceStep:
 
     @torch.no_grad()
     def lay_out(self):
-        """Move moments that do not lie like their run of parameters into one block per run,
-        re-pointing each with ``.data`` (after the optimizer's own step, a load, a client)."""
+        """Put moments that do not lie like their run of parameters into one block per run on
+        the parameters' device. Moments already there (TE's own step, a load, a client's ``.to``
+        back) are moved and re-pointed with ``.data``; moments elsewhere (parked on the host by
+        a client, to be taken home) are copied into the block, whose views replace them in the
+        entries. A run of one is left as it is (taking it home is the entry's own business)."""
         if not steps_flat(self.optimizer):
             return
+        state = self.optimizer.state
         groups = self._groups(with_grads=False)
         seen = _look(groups)
         if seen is None or seen in (self._seen, self._checked):
             return  # as a flat step or the last lay-out left it
         for params, _, moments in groups:
             layout = _Layout(params)
-            for values in moments:
+            for key, values in zip(_MOMENTS, moments):
                 if layout.holds(values) or not all(map(_fits, values, params)):
                     continue
                 self._seen = None
@@ -317,10 +325,18 @@ class FlatInPlaceStep:
                     span = values[first : first + count]
                     block = torch.empty(numel, dtype=torch.float32, device=params[first].device)
                     views = _unflatten_dense_tensors(block, span)
-                    torch._foreach_copy_(views, span)  # pylint: disable=protected-access
-                    for value, view in zip(span, views):
-                        value.data = view
-        self._checked = _look(groups)
+                    home = [value.device == block.device for value in span]
+                    if all(home):
+                        torch._foreach_copy_(views, span)  # pylint: disable=protected-access
+                    else:
+                        for view, value in zip(views, span):
+                            view.copy_(value)
+                    for param, value, view, at_home in zip(params[first:], span, views, home):
+                        if at_home:
+                            value.data = view
+                        else:
+                            state[param][key] = view
+        self._checked = _look(self._groups(with_grads=False))
 
 
 def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor]:
@@ -334,13 +350,12 @@ def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor
 
 
 def _fits(value, param: torch.Tensor) -> bool:
-    """Whether ``value`` can be moved into a block beside ``param``'s run unchanged: an fp32
-    tensor of its size on its device."""
+    """Whether ``value`` can be copied into a block beside ``param``'s run unchanged: an fp32
+    tensor of its size (on any device)."""
     return (
         isinstance(value, torch.Tensor)
         and value.dtype == torch.float32
         and value.numel() == param.numel()
-        and value.device == param.device
     )
 
 
