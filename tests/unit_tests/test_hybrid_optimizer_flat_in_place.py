@@ -2,8 +2,8 @@
 """The in-place step over runs of adjacent fp32 clones (hybrid_optimizer_flat_in_place).
 
 Transformer Engine's FusedAdam, as Megatron's factory hands it to the HDO, steps the fp32
-clones of the in-place parameters; from the second step on the HDO hands it runs of clones
-laid out back to back instead of one tensor each. These tests compare that with TE stepping
+clones of the in-place parameters; the HDO hands it runs of clones laid out back to back, with
+their moments laid out alike, instead of one tensor each. These tests compare that with TE stepping
 the same clones one by one (``flat_in_place_steps = False``), bit for bit, through client
 moves of the state and a checkpoint.
 """
@@ -124,6 +124,9 @@ def moments(hdo, params):
         for p in params
         if p not in hdo.gpu_params_map_cpu_copy
     ]
+
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 def reassign_moments(optimizers, move):
@@ -293,10 +296,13 @@ def test_te_state_parked_on_the_host_comes_home_laid_out(monkeypatch, in_place_c
     assert_moments_laid_out(hdo.gpu_optimizer)
 
 
-def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(monkeypatch, in_place_cls):
-    """A state dict written after flat steps loads into a new HDO: the moments land laid out,
-    so its steps take runs from the first, and equal the per-tensor optimizer's from the same
-    checkpoint."""
+@pytest.mark.parametrize("read_to", ["cpu", DEVICE], ids=["read to the host", "read to the device"])
+def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(monkeypatch, in_place_cls, read_to):
+    """A state dict written after flat steps loads into a new HDO, whose steps equal the
+    per-tensor optimizer's from the same checkpoint. Moments read to the host land laid out on
+    the device, so the steps take runs from the first; moments already on the device are
+    adopted as they are (a block beside them would hold them twice while the caller keeps
+    them), and the first step is TE's walk, which lays them out."""
     walked = count_walked(monkeypatch, in_place_cls)
     params = make_params()
     hdo = make_hdo(HybridDeviceOptimizer, params, in_place_cls)
@@ -321,10 +327,26 @@ def test_te_checkpoint_of_a_flat_stepped_hdo_resumes_exactly(monkeypatch, in_pla
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
         optimizer = make_hdo(cls, copies, in_place_cls)
         buffer.seek(0)
-        optimizer.load_state_dict(torch.load(buffer, weights_only=False))
-        resumed.append((optimizer, copies))
-    (flat, flat_params), (reference, ref_params) = resumed
-    assert_moments_laid_out(flat.gpu_optimizer)
+        loaded = torch.load(buffer, weights_only=False, map_location=read_to)
+        optimizer.load_state_dict(loaded)
+        resumed.append((optimizer, copies, loaded))
+    (flat, flat_params, loaded), (reference, ref_params, _) = resumed
+    loaded_ptrs = {v.data_ptr() for e in loaded["state"].values() for v in e.values()}
+    in_place = [
+        flat.gpu_optimizer.state[c] for g in flat.gpu_optimizer.param_groups for c in g["params"]
+    ]
+    adopted = [entry[key].data_ptr() in loaded_ptrs for entry in in_place for key in MOMENT_KEYS]
+    if read_to == DEVICE:
+        assert all(adopted)
+        give_grads(generator, flat_params, ref_params)
+        walked.clear()
+        flat.step()
+        assert walked == [sum(len(g["params"]) for g in flat.gpu_optimizer.param_groups)]
+        reference.step()
+        assert_same(flat, reference, flat_params, ref_params)
+    else:
+        assert not any(adopted)
+        assert_moments_laid_out(flat.gpu_optimizer)
     step_both_over_runs(walked, generator, (flat, flat_params), (reference, ref_params), 3)
 
 
@@ -429,5 +451,5 @@ def test_first_step_holds_each_moment_once_on_the_gpu():
     in_place = sum(numels)
     moments, widened = 8 * in_place, 4 * in_place
     slack = 1 << 20
-    assert slack < 4 * sum(numels[6:])  # less than the smaller run's block of one moment
+    # The slack (1 MiB) is less than the smaller run's block of one moment (8 MiB).
     assert torch.cuda.max_memory_allocated() - before <= moments + widened + slack

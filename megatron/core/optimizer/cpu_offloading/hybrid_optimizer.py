@@ -1202,15 +1202,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._load_guard.failure = "load_state_dict did not complete"
         flat = self._flat_in_place_step()
         if flat is not None:
-            # Moments loaded into an in-place optimizer without state land in blocks laid out
-            # for the flat step, so that its first step need not move them.
-            flat.create_state(
-                only={
-                    id(self.param_to_inner_param[param])
-                    for param, values in planned.items()
-                    if all(key in values for key in ("exp_avg", "exp_avg_sq"))
-                }
-            )
+            # Moments coming from elsewhere (a checkpoint read to the host) into an in-place
+            # optimizer without state land in blocks laid out for the flat step, so that its
+            # first step need not move them; moments already on the device are adopted as they
+            # are, since a block beside them would hold them twice while the caller keeps them.
+            flat.create_state(only={id(inner) for inner in self._coming_to_device(planned)})
         loaded = {}
         for param, values in planned.items():
             inner = self.param_to_inner_param[param]
@@ -1226,6 +1222,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             for saved in state_dict["param_groups"]
         ]
         return {**state_dict, "state": {}, "param_groups": groups}
+
+    def _coming_to_device(self, planned) -> List[torch.Tensor]:
+        """The inner tensors on an accelerator whose planned moments are all tensors elsewhere."""
+        coming = []
+        for param, values in planned.items():
+            inner = self.param_to_inner_param[param]
+            moments = [values.get(key) for key in ("exp_avg", "exp_avg_sq")]
+            if all(isinstance(m, torch.Tensor) and m.device != inner.device for m in moments):
+                coming.append(inner)
+        return coming
 
     @staticmethod
     def _adopt_loaded_state(self):

@@ -11,8 +11,8 @@ tensor: TE's own step, over a few runs instead of thousands of tensors.
 The HDO lays out its fp32 clones back to back and widens their gradients into one buffer in
 the same order. The moments are created laid out, one block per run, with the zeros TE would
 create (:meth:`FlatInPlaceStep.create_state`: on the first step, by ``dummy_step``, or as a
-load into an optimizer without state fills them), so the first step takes runs too and no
-block of moments is ever held twice. Moments that lie otherwise (TE's own step created them, a
+load from the host into an optimizer without state fills them), so the first step takes runs
+too and no block of moments is moved. Moments that lie otherwise (TE's own step created them, a
 client put others there) are moved into one block per run (:meth:`FlatInPlaceStep.lay_out`),
 re-pointed with ``.data``: they stay the entries' own tensors, so what clients read, hold or
 assign is the state. Where the optimizer steps
@@ -99,7 +99,8 @@ class _Layout:
     def __init__(self, params: Sequence[torch.Tensor]):
         self.runs = adjacent_runs(params)
         self.numels = list(map(torch.Tensor.numel, params))
-        self.devices = [param.device for param in params]
+        # A run lies in one storage, so its first tensor's device is the whole run's.
+        self.devices = [params[first].device for first, _, _ in self.runs]
         ptrs = list(map(torch.Tensor.data_ptr, params))
         self.firsts = [first for first, count, _ in self.runs for _ in range(count)]
         self.distances = [ptr - ptrs[first] for ptr, first in zip(ptrs, self.firsts)]
@@ -121,7 +122,7 @@ class _Layout:
             return False
         if list(map(torch.Tensor.numel, values)) != self.numels:
             return False
-        if [value.device for value in values] != self.devices:
+        if [values[first].device for first, _, _ in self.runs] != self.devices:
             return False
         if any(value.dtype != torch.float32 for value in values):
             return False
@@ -330,7 +331,7 @@ class FlatInPlaceStep:
                         torch._foreach_copy_(views, span)  # pylint: disable=protected-access
                     else:
                         for view, value in zip(views, span):
-                            view.copy_(value)
+                            view.copy_(value, non_blocking=True)  # from pinned: in stream order
                     for param, value, view, at_home in zip(params[first:], span, views, home):
                         if at_home:
                             value.data = view
