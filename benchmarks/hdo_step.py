@@ -8,7 +8,10 @@ in the model's dtype at the pinned bandwidth. All three are measured here, on th
 the same tensor sizes; the HDO steps are then timed for each offload fraction and reported
 as a ratio to that floor. Both implementations run the configuration Megatron builds for
 ``optimizer_cpu_offload`` (bf16 parameters, fp32 master copies, torch AdamW with
-``fused=True``), and their parameters after the timed steps are compared bit for bit.
+``fused=True``), and their parameters after the timed steps are compared bit for bit. Gradients
+come as each parameter's bf16 ``.grad``, or with ``--grads decoupled`` as the precision-aware
+distributed optimizer hands them (fp32 ``decoupled_grad`` views of one buffer, the parameters
+views of another), with the same values.
 
 Cases (``--case``) are the parameter lists a DistributedOptimizer hands its HDO (see
 ``hdo_cases``): ``dense32`` (536M in 32 equal tensors, or ``--numel`` / ``--tensors``),
@@ -271,6 +274,36 @@ def adam_beside_copies(adam, down, up, repeats):
     return statistics.median(times)
 
 
+GRADIENT_ATTRIBUTES = {"model": "grad", "decoupled": "decoupled_grad"}
+"""Where each ``--grads`` layout leaves a parameter's gradient for the HDO."""
+
+
+def parameters_and_gradients(args, device):
+    """The parameters the HDO steps and the gradients handed out before each step.
+
+    ``--grads model``: each bf16 parameter and its bf16 gradient a tensor of its own.
+    ``--grads decoupled``: as Megatron's precision-aware distributed optimizer hands them
+    (``--use-precision-aware-optimizer``, the flag offloading recipes pair with
+    ``--optimizer-cpu-offload``, with ``--accumulate-allreduce-grads-in-fp32``): the bf16
+    parameter shards are views into one parameter buffer and their fp32 gradients, set as
+    ``decoupled_grad``, views into one gradient buffer, in the same order. The values are the
+    same in both layouts (the gradients are drawn in bf16 and widened), so the parameters after
+    the steps are too.
+    """
+    generator = value_generator(device)
+    values, grads = [], []
+    for numel in sizes(args):
+        values.append(random_values(numel, generator, device).to(torch.bfloat16))
+        grads.append(random_values(numel, generator, device).mul_(1e-2).to(torch.bfloat16))
+    if args.grads == "model":
+        return [torch.nn.Parameter(value) for value in values], grads
+    numels = [value.numel() for value in values]
+    param_buffer, grad_buffer = torch.cat(values), torch.cat(grads).to(torch.float32)
+    del values, grads
+    params = [torch.nn.Parameter(view) for view in param_buffer.split(numels)]
+    return params, list(grad_buffer.split(numels))
+
+
 def defining_file(hdo_class):
     """The file of the HybridDeviceOptimizer module a row times (variants subclass it)."""
     for cls in hdo_class.__mro__:
@@ -285,12 +318,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
     Run in a process of its own (see ``run_worker``), so that the pinned memory the process
     holds is this optimizer's alone.
     """
-    generator = value_generator(device)
-    params, grads = [], []
-    for numel in sizes(args):
-        value = random_values(numel, generator, device).to(torch.bfloat16)
-        params.append(torch.nn.Parameter(value))
-        grads.append(random_values(numel, generator, device).mul_(1e-2).to(torch.bfloat16))
+    params, grads = parameters_and_gradients(args, device)
     optimizer = hdo_class(
         [{"params": params}],
         offload_fraction=fraction,
@@ -305,9 +333,11 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         fused=True,
     )
 
+    attribute = GRADIENT_ATTRIBUTES[args.grads]
+
     def hand_out_grads():
         for p, g in zip(params, grads):
-            p.grad = g
+            setattr(p, attribute, g)
 
     times = timed(optimizer.step, device, args.repeats, args.warmup, before=hand_out_grads)
     digest = hashlib.sha256()
@@ -370,6 +400,8 @@ def run_worker(args, name, fraction, overlap):
         str(args.warmup),
         "--in-place",
         args.in_place,
+        "--grads",
+        args.grads,
         *(["--breakdown"] if args.breakdown else []),
         *(["--profile"] if args.profile else []),
     ]
@@ -435,6 +467,14 @@ def parse_args(argv=None):
         help="optimizer of the parameters stepped in place: factory is what Megatron's factory "
         "hands the HDO (TE FusedAdam where Transformer Engine imports, else torch's AdamW), "
         "torch is torch's AdamW",
+    )
+    parser.add_argument(
+        "--grads",
+        choices=sorted(GRADIENT_ATTRIBUTES),
+        default="model",
+        help="how gradients reach the HDO: model is a bf16 .grad per parameter; decoupled is "
+        "what the precision-aware distributed optimizer hands it (bf16 parameter shards viewing "
+        "one buffer, fp32 decoupled_grad viewing another)",
     )
     for name, (dest, _, times) in FORK_VARIANTS.items():
         parser.add_argument(
@@ -563,7 +603,8 @@ def main():
     print(
         f"HDO step benchmark on {label}; torch {torch.__version__}; host threads "
         f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}; in place "
-        f"{in_place_class(args.in_place).__module__}.{in_place_class(args.in_place).__name__}"
+        f"{in_place_class(args.in_place).__module__}.{in_place_class(args.in_place).__name__}; "
+        f"gradients {args.grads} ({GRADIENT_ATTRIBUTES[args.grads]})"
     )
     implementations = ["fork"] + [n for n, (dest, *_) in FORK_VARIANTS.items() if vars(args)[dest]]
     implementations += [TREE_PREFIX + tree for tree in args.fork_tree]

@@ -80,6 +80,28 @@ def test_a_fork_tree_row_times_that_checkout_s_modules_exactly_as_the_installed_
         benchmark.run_worker(args, benchmark.TREE_PREFIX + str(BENCHMARKS), 0.5, True)
 
 
+def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values():
+    """``--grads decoupled`` hands the HDO what the precision-aware distributed optimizer does:
+    parameters viewing one bf16 buffer, fp32 gradients viewing another, the same values as
+    ``--grads model``; an HDO stepped either way ends with the same parameters."""
+    args = benchmark.parse_args(["--case", "gpt", "--scale", "0.0005", "--grads", "decoupled"])
+    args.case = "gpt"  # main() runs the cases one at a time
+    params, grads = benchmark.parameters_and_gradients(args, "cpu")
+    args.grads = "model"
+    own_params, own_grads = benchmark.parameters_and_gradients(args, "cpu")
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+    assert all(g.dtype == torch.float32 for g in grads)
+    assert all(torch.equal(a, b) for a, b in zip(params, own_params))
+    assert all(torch.equal(a, b.float()) for a, b in zip(grads, own_grads))
+    args.repeats, args.warmup = 1, 1
+    digests = set()
+    for layout in ("model", "decoupled"):
+        args.grads = layout
+        digests.add(benchmark.run_worker(args, "fork", 0.5, True)["digest"])
+    assert len(digests) == 1
+
+
 def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     """The parts are timed within the step and the optimizer is left as it was: its methods
     are its class's again, and a later step runs untimed."""
