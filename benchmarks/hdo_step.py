@@ -286,7 +286,7 @@ def parameters_and_gradients(args, device):
     (``--use-precision-aware-optimizer``, the flag offloading recipes pair with
     ``--optimizer-cpu-offload``, with ``--accumulate-allreduce-grads-in-fp32``): the bf16
     parameter shards are views into one parameter buffer and their fp32 gradients, set as
-    ``decoupled_grad``, views into one gradient buffer, in the same order. The values are the
+    ``decoupled_grad``, views into one gradient buffer, both laid out back to front. The values are the
     same in both layouts (the gradients are drawn in bf16 and widened), so the parameters after
     the steps are too.
     """
@@ -297,11 +297,13 @@ def parameters_and_gradients(args, device):
         grads.append(random_values(numel, generator, device).mul_(1e-2).to(torch.bfloat16))
     if args.grads == "model":
         return [torch.nn.Parameter(value) for value in values], grads
-    numels = [value.numel() for value in values]
-    param_buffer, grad_buffer = torch.cat(values), torch.cat(grads).to(torch.float32)
+    # The buffers hold the parameters back to front, as megatron-core's DDP lays them out.
+    numels = [value.numel() for value in reversed(values)]
+    param_buffer = torch.cat(values[::-1])
+    grad_buffer = torch.cat(grads[::-1]).to(torch.float32)
     del values, grads
-    params = [torch.nn.Parameter(view) for view in param_buffer.split(numels)]
-    return params, list(grad_buffer.split(numels))
+    params = [torch.nn.Parameter(view) for view in param_buffer.split(numels)][::-1]
+    return params, list(grad_buffer.split(numels))[::-1]
 
 
 def defining_file(hdo_class):

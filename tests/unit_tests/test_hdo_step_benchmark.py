@@ -82,8 +82,9 @@ def test_a_fork_tree_row_times_that_checkout_s_modules_exactly_as_the_installed_
 
 def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values():
     """``--grads decoupled`` hands the HDO what the precision-aware distributed optimizer does:
-    parameters viewing one bf16 buffer, fp32 gradients viewing another, the same values as
-    ``--grads model``; an HDO stepped either way ends with the same parameters."""
+    parameters viewing one bf16 buffer, fp32 gradients viewing another (both back to front),
+    the same values as ``--grads model``; an HDO stepped either way ends with the same
+    parameters."""
     args = benchmark.parse_args(["--case", "gpt", "--scale", "0.0005", "--grads", "decoupled"])
     args.case = "gpt"  # main() runs the cases one at a time
     params, grads = benchmark.parameters_and_gradients(args, "cpu")
@@ -92,6 +93,10 @@ def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values()
     assert len({p.untyped_storage().data_ptr() for p in params}) == 1
     assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
     assert all(g.dtype == torch.float32 for g in grads)
+    # Back to front, as DDP's buffers: each shard ends where the one before it in the list starts.
+    for tensors in (params, grads):
+        for before, after in zip(tensors, tensors[1:]):
+            assert after.data_ptr() + after.nbytes == before.data_ptr()
     assert all(torch.equal(a, b) for a, b in zip(params, own_params))
     assert all(torch.equal(a, b.float()) for a, b in zip(grads, own_grads))
     args.repeats, args.warmup = 1, 1
