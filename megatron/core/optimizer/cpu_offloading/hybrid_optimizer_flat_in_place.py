@@ -12,15 +12,15 @@ The HDO lays out its fp32 clones back to back and widens their gradients into on
 the same order. The moments are created laid out, one block per run, with the zeros TE would
 create (:meth:`FlatInPlaceStep.create_state`: on the first step, by ``dummy_step``, or as a
 load from the host into an optimizer without state fills them), so the first step takes runs
-too and no block of moments is moved. Moments that lie otherwise (TE's own step created them, a
-client put others there) are moved into one block per run (:meth:`FlatInPlaceStep.lay_out`),
-re-pointed with ``.data``: they stay the entries' own tensors, so what clients read, hold or
-assign is the state. Where the optimizer steps
-the clones alone, their gradients are concatenated into one buffer laid out like the clones'
-block and handed over as runs, without a gradient tensor per clone. Anything else (another
-class or mode, a step hook, a parameter without a gradient, state that is not laid out, such as
-moments a client moved away and back) leaves the step to the optimizer itself, after which the
-moments are laid out again. As with the host blocks, one clone or moment saved or deep-copied
+too and no block of moments is moved. Moments that lie otherwise (a client put others there one
+by one, a load adopted them, TE's own step created them) are moved into one block per run by
+the next step before it takes runs (:meth:`FlatInPlaceStep.lay_out`), re-pointed with
+``.data``: they stay the entries' own tensors, so what clients read, hold or assign is the
+state. Where the optimizer steps the clones alone, their gradients are concatenated into one
+buffer laid out like the clones' block and handed over as runs, without a gradient tensor per
+clone. Anything else (another class or mode, a step hook, a parameter without a gradient, a
+counter per parameter) leaves the step to the optimizer itself, after which the moments are
+laid out. As with the host blocks, one clone or moment saved or deep-copied
 alone takes its whole block along (a whole state dict takes each block once), and a view a
 client took of a moment before it was laid out still shows the old memory.
 """
@@ -198,18 +198,14 @@ class FlatInPlaceStep:
             seen = _look(groups)
         if seen is None:
             return False
-        if seen != self._seen:
-            self._seen = None
-            if any("step" in entry for entry in self._entries()):
-                return False  # a counter per parameter: not the group's, which the runs share
-            self._layouts = [_Layout(params) for params, _, _ in groups]
-            if not all(
-                layout.holds(values)
-                for (_, _, moments), layout in zip(groups, self._layouts)
-                for values in moments
-            ):
+        if seen != self._seen and not self._check(groups, seen):
+            # Moments put back one by one (a client's ``.cuda()`` per tensor): laid out first,
+            # which moves them as TE's own step and a lay-out after it would, minus TE's walk.
+            self.lay_out()
+            groups = self._groups(with_grads=grads is None)
+            seen = _look(groups)
+            if seen is None or not self._check(groups, seen):
                 return False
-            self._seen = seen
         if grads is None:
             # Gradients are new tensors every step: checked every step.
             if not all(layout.holds(g) for (_, g, _), layout in zip(groups, self._layouts)):
@@ -223,6 +219,22 @@ class FlatInPlaceStep:
             if run_grads is None:
                 return False
         self._step_runs(groups, run_grads)
+        return True
+
+    def _check(self, groups, seen: tuple) -> bool:
+        """Whether the moments lie like their runs of parameters, with the group's counter
+        alone; remembers the layouts, and ``seen`` as checked, if so."""
+        self._seen = None
+        if any("step" in entry for entry in self._entries()):
+            return False  # a counter per parameter: not the group's, which the runs share
+        self._layouts = [_Layout(params) for params, _, _ in groups]
+        if not all(
+            layout.holds(values)
+            for (_, _, moments), layout in zip(groups, self._layouts)
+            for values in moments
+        ):
+            return False
+        self._seen = seen
         return True
 
     def _grads_from_buffer(self, buffer: torch.Tensor, base: int):
