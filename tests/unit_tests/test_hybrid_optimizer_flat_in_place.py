@@ -451,3 +451,30 @@ def test_first_step_holds_each_moment_once_on_the_gpu():
     slack = 1 << 20
     # The slack (1 MiB) is less than the smaller run's block of one moment (8 MiB).
     assert torch.cuda.max_memory_allocated() - before <= moments + widened + slack
+
+
+def test_moments_a_client_made_share_memory_stay_shared_and_step_exactly(in_place_cls):
+    """A client that makes one in-place moment a view of another's: TE steps the shared memory
+    as shared, so the HDO leaves such moments to TE's walk rather than parting them into
+    blocks, and every step equals TE stepping the tensors one by one."""
+    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
+    generator = torch.Generator().manual_seed(9)
+    for step in range(4):
+        give_grads(generator, params, ref_params)
+        if step == 2:
+            for optimizer in (hdo, reference):
+                first, second = larger_then_smaller(optimizer)
+                state = optimizer.gpu_optimizer.state
+                state[second]["exp_avg"] = state[first]["exp_avg"].view(-1)[: second.numel()]
+        hdo.step()
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)
+    first, second = larger_then_smaller(hdo)
+    state = hdo.gpu_optimizer.state
+    assert state[second]["exp_avg"].data_ptr() == state[first]["exp_avg"].data_ptr()
+
+
+def larger_then_smaller(hdo):
+    """The largest and the smallest tensor of the in-place optimizer's first group."""
+    tensors = sorted(hdo.gpu_optimizer.param_groups[0]["params"], key=torch.Tensor.numel)
+    return tensors[-1], tensors[0]

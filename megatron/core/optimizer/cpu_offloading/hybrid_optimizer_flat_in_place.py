@@ -327,6 +327,8 @@ class FlatInPlaceStep:
         if seen is None or seen in (self._seen, self._checked):
             return  # as a flat step or the last lay-out left it
         for params, _, moments in groups:
+            if _overlapping(moments):
+                continue  # moments sharing memory: TE steps them as shared, blocks would part them
             layout = _Layout(params)
             for key, values in zip(_MOMENTS, moments):
                 if layout.holds(values) or not all(map(_fits, values, params)):
@@ -360,6 +362,17 @@ def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor
         return [torch.zeros_like(params[first], dtype=torch.float32)]
     block = torch.zeros(numel, dtype=torch.float32, device=params[first].device)
     return list(_unflatten_dense_tensors(block, params[first : first + count]))
+
+
+def _overlapping(moments) -> bool:
+    """Whether any two of the group's moments (all keys) share memory."""
+    spans = sorted(
+        (value.device.type, value.device.index, value.data_ptr(), value.data_ptr() + value.nbytes)
+        for values in moments
+        for value in values
+        if isinstance(value, torch.Tensor) and value.nbytes
+    )
+    return any(a[:2] == b[:2] and b[2] < a[3] for a, b in zip(spans, spans[1:]))
 
 
 def _fits(value, param: torch.Tensor) -> bool:
