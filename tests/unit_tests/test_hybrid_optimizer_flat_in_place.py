@@ -474,6 +474,24 @@ def test_moments_a_client_made_share_memory_stay_shared_and_step_exactly(in_plac
     assert state[second]["exp_avg"].data_ptr() == state[first]["exp_avg"].data_ptr()
 
 
+def test_moments_shared_across_groups_stay_shared_and_step_exactly(in_place_cls):
+    """As above, with the moment shared between a tensor of the first group and one of the
+    second: the HDO still leaves them to TE's walk."""
+    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
+    generator = torch.Generator().manual_seed(10)
+    for step in range(4):
+        give_grads(generator, params, ref_params)
+        if step == 2:
+            for optimizer in (hdo, reference):
+                first = larger_then_smaller(optimizer)[0]
+                second = min(optimizer.gpu_optimizer.param_groups[1]["params"], key=torch.numel)
+                state = optimizer.gpu_optimizer.state
+                state[second]["exp_avg_sq"] = state[first]["exp_avg_sq"].view(-1)[: second.numel()]
+        hdo.step()
+        reference.step()
+        assert_same(hdo, reference, params, ref_params)
+
+
 def larger_then_smaller(hdo):
     """The largest and the smallest tensor of the in-place optimizer's first group."""
     tensors = sorted(hdo.gpu_optimizer.param_groups[0]["params"], key=torch.Tensor.numel)

@@ -201,7 +201,8 @@ class FlatInPlaceStep:
         if seen != self._seen and not self._check(groups, seen):
             # Moments put back one by one (a client's ``.cuda()`` per tensor): laid out first,
             # which moves them as TE's own step and a lay-out after it would, minus TE's walk.
-            self.lay_out()
+            if not self.lay_out():
+                return False
             groups = self._groups(with_grads=grads is None)
             seen = _look(groups)
             if seen is None or not self._check(groups, seen):
@@ -313,22 +314,29 @@ class FlatInPlaceStep:
         return created
 
     @torch.no_grad()
-    def lay_out(self):
+    def lay_out(self) -> bool:
         """Put moments that do not lie like their run of parameters into one block per run on
         the parameters' device. Moments already there (TE's own step, a load, a client's ``.to``
         back) are moved and re-pointed with ``.data``; moments elsewhere (parked on the host by
         a client, to be taken home) are copied into the block, whose views replace them in the
-        entries. A run of one is left as it is (taking it home is the entry's own business)."""
+        entries. A run of one is left as it is (taking it home is the entry's own business), and
+        so is everything where two moments share memory (TE steps them as shared; blocks would
+        part them).
+
+        Returns:
+            Whether any moment was moved.
+        """
         if not steps_flat(self.optimizer):
-            return
+            return False
         state = self.optimizer.state
         groups = self._groups(with_grads=False)
         seen = _look(groups)
         if seen is None or seen in (self._seen, self._checked):
-            return  # as a flat step or the last lay-out left it
+            return False  # as a flat step or the last lay-out left it
+        moved = False
+        if _overlapping([values for _, _, moments in groups for values in moments]):
+            groups = []
         for params, _, moments in groups:
-            if _overlapping(moments):
-                continue  # moments sharing memory: TE steps them as shared, blocks would part them
             layout = _Layout(params)
             for key, values in zip(_MOMENTS, moments):
                 if layout.holds(values) or not all(map(_fits, values, params)):
@@ -337,6 +345,7 @@ class FlatInPlaceStep:
                 for first, count, numel in layout.runs:
                     if count == 1:
                         continue
+                    moved = True
                     span = values[first : first + count]
                     block = torch.empty(numel, dtype=torch.float32, device=params[first].device)
                     views = _unflatten_dense_tensors(block, span)
@@ -352,6 +361,7 @@ class FlatInPlaceStep:
                         else:
                             state[param][key] = view
         self._checked = _look(self._groups(with_grads=False))
+        return moved
 
 
 def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor]:
@@ -365,7 +375,7 @@ def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor
 
 
 def _overlapping(moments) -> bool:
-    """Whether any two of the group's moments (all keys) share memory."""
+    """Whether any two of the moments (lists of values, all keys and groups) share memory."""
     spans = sorted(
         (value.device.type, value.device.index, value.data_ptr(), value.data_ptr() + value.nbytes)
         for values in moments
