@@ -68,8 +68,9 @@ def plan_pinned_host_memory(
 
     The ring comes first, since every download needs a slot: up to ``max_slots`` slots, each
     as large as the largest bucket staged in it (:func:`slot_sizes`), fewer if they would
-    exceed ``budget``, but at least one. A ring never holds more than all buckets together,
-    since each slot is one of them. Host copies are then pinned in order while the total stays
+    exceed ``budget``, but at least one; and down to two while one slot fewer lets more host
+    copies be pinned. A ring never holds more than all buckets together, since each slot is
+    one of them. Host copies are then pinned in order while the total stays
     within ``budget``, so those left pageable are the last to upload (each through its
     bucket's slot).
 
@@ -91,14 +92,26 @@ def plan_pinned_host_memory(
     def ring(slots):
         return sum(block(nbytes) for nbytes in slot_sizes(bucket_nbytes, slots))
 
+    def pins(slots):
+        used = ring(slots) if pin_slots else 0
+        pinned = []
+        for nbytes in master_nbytes:
+            pinned.append(used + block(nbytes) <= budget)
+            used += block(nbytes) if pinned[-1] else 0
+        return pinned, sum(block(n) for n, pin in zip(master_nbytes, pinned) if pin)
+
     slots = min(max_slots, len(bucket_nbytes))
     while pin_slots and slots > 1 and ring(slots) > budget:
         slots -= 1
-    used = ring(slots) if pin_slots else 0
-    pinned = []
-    for nbytes in master_nbytes:
-        pinned.append(used + block(nbytes) <= budget)
-        used += block(nbytes) if pinned[-1] else 0
+    pinned, pinned_bytes = pins(slots)
+    # Two slots already keep each download a whole host step ahead (a bucket comes down
+    # faster than the host steps it); a slot beyond them is not worth a host copy left
+    # pageable, whose upload is staged on the calling thread at every step.
+    while pin_slots and slots > 2:
+        fewer, fewer_bytes = pins(slots - 1)
+        if fewer_bytes <= pinned_bytes:
+            break
+        slots, pinned, pinned_bytes = slots - 1, fewer, fewer_bytes
     return slots, pinned
 
 
