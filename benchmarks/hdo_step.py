@@ -20,7 +20,10 @@ LayerNorms), ``moe`` (657M in 3,291 tensors, 64 experts per layer) and ``stress`
 65,536). Besides the serial floor (the sum of the three) the overlap limit is reported: the
 longest of the three, which a pipeline that overlaps them approaches, and the contended
 limit: the same with host AdamW timed beside one D2H and one H2D of the same bytes, since the
-copies' DMA shares the host's memory bandwidth with AdamW (``adam|copies s``). Torch's
+copies' DMA shares the host's memory bandwidth with AdamW (``adam|copies s``); and the same
+again with fp32 copies, the bytes the fork's pipeline moves (gradients widened and masters
+narrowed on the device: ``adam|fp32 s``, ``/fp32 contended``), apart from the issue's bounds,
+which count bf16. Torch's
 fused AdamW runs one parallel region per tensor, so the floor's AdamW carries a cost per
 shard; ``adam flat s`` is the same AdamW over the same elements as flat 64 MiB blocks (one
 tensor per fork HDO bucket), shown beside the limits as the headroom a step over whole
@@ -177,11 +180,13 @@ def measure_floor(args, device, fraction):
 
     AdamW steps the same tensors the HDO offloads (its cost per tensor is part of the
     floor); the copies move their bytes, in bf16, as one pinned block each way (the bus's
-    limit, whatever the number of tensors).
+    limit, whatever the number of tensors). AdamW is also timed beside those copies, and
+    beside fp32 ones (``*_fp32``), the bytes the fork's pipeline moves.
     """
     chosen = offloaded_sizes(args, fraction)
     if not chosen:
-        return {"adam": 0.0, "adam_flat": 0.0, "d2h": 0.0, "h2d": 0.0, "adam_beside_copies": 0.0}
+        copies = ("d2h", "h2d", "adam_beside_copies", "d2h_fp32", "h2d_fp32")
+        return dict.fromkeys(("adam", "adam_flat", *copies, "adam_beside_fp32_copies"), 0.0)
     generator = value_generator(device, seed=1)
     params = [random_values(n, generator, device).cpu() for n in chosen]
     for p in params:
@@ -190,21 +195,25 @@ def measure_floor(args, device, fraction):
     result = {"adam": timed(adam.step, "cpu", args.repeats)["median"]}
     result["adam_flat"] = flat_adam_seconds(sum(chosen), generator, device, args.repeats)
     if device != "cuda":
-        result.update(d2h=0.0, h2d=0.0, adam_beside_copies=result["adam"])
+        result.update(d2h=0.0, h2d=0.0, d2h_fp32=0.0, h2d_fp32=0.0)
+        result.update(adam_beside_copies=result["adam"], adam_beside_fp32_copies=result["adam"])
         return result
+    # bf16 bytes for the issue's bounds; fp32, what the fork's pipeline moves, for its own.
+    for suffix, nbytes in (("", sum(chosen) * 2), ("_fp32", sum(chosen) * 4)):
+        down, up = copy_pair(nbytes), copy_pair(nbytes)
+        result["d2h" + suffix] = timed(
+            lambda pair=down: pair[1].copy_(pair[0], non_blocking=True), device, args.repeats
+        )["median"]
+        result["h2d" + suffix] = timed(
+            lambda pair=up: pair[0].copy_(pair[1], non_blocking=True), device, args.repeats
+        )["median"]
+        beside = "adam_beside_fp32_copies" if suffix else "adam_beside_copies"
+        result[beside] = adam_beside_copies(adam, down, up, args.repeats)
+        del down, up
     nbytes = sum(chosen) * 2
-    down = (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), pinned_block(nbytes))
-    up = (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), pinned_block(nbytes))
-    result["d2h"] = timed(lambda: down[1].copy_(down[0], non_blocking=True), device, args.repeats)[
-        "median"
-    ]
-    result["h2d"] = timed(lambda: up[0].copy_(up[1], non_blocking=True), device, args.repeats)[
-        "median"
-    ]
     result["d2h_gbps"] = nbytes / result["d2h"] / 1e9
     result["h2d_gbps"] = nbytes / result["h2d"] / 1e9
-    result["adam_beside_copies"] = adam_beside_copies(adam, down, up, args.repeats)
-    del adam, params, down, up
+    del adam, params
     gc.collect()
     return result
 
@@ -250,6 +259,11 @@ def pinned_block(nbytes):
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def copy_pair(nbytes):
+    """``(device buffer, pinned host buffer)`` of ``nbytes`` each: one copy direction's ends."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cuda"), pinned_block(nbytes)
+
+
 def adam_beside_copies(adam, down, up, repeats):
     """Host AdamW's median time with one D2H and one H2D of the offloaded bytes queued on
     their own streams as it starts.
@@ -286,9 +300,9 @@ def parameters_and_gradients(args, device):
     (``--use-precision-aware-optimizer``, the flag offloading recipes pair with
     ``--optimizer-cpu-offload``, with ``--accumulate-allreduce-grads-in-fp32``): the bf16
     parameter shards are views into one parameter buffer and their fp32 gradients, set as
-    ``decoupled_grad``, views into one gradient buffer, both laid out back to front. The values are the
-    same in both layouts (the gradients are drawn in bf16 and widened), so the parameters after
-    the steps are too.
+    ``decoupled_grad``, views into one gradient buffer, both laid out back to front. The values
+    are the same in both layouts (the gradients are drawn in bf16 and widened), so the
+    parameters after the steps are too.
     """
     generator = value_generator(device)
     values, grads = [], []
@@ -525,6 +539,7 @@ COLUMNS = [
     ("/floor", 6, lambda r: f"{r['ratio']:.2f}"),
     ("/limit", 6, lambda r: f"{r['ratio_limit']:.2f}"),
     ("/contended", 10, lambda r: f"{r['ratio_contended']:.2f}"),
+    ("/fp32 contended", 15, lambda r: f"{r['ratio_fp32_contended']:.2f}"),
     ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
     ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
     ("adam s", 6, lambda r: f"{r['floor']['adam']:.3f}"),
@@ -532,6 +547,7 @@ COLUMNS = [
     ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
     ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
     ("adam|copies s", 13, lambda r: f"{r['floor']['adam_beside_copies']:.3f}"),
+    ("adam|fp32 s", 11, lambda r: f"{r['floor'].get('adam_beside_fp32_copies', 0.0):.3f}"),
     ("outside s", 9, lambda r: f"{r['outside_s']:.3f}"),
     ("run s", 5, lambda r: f"{r['worker_s']:.0f}"),
     ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
@@ -566,6 +582,11 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
     serial = floor["adam"] + floor["d2h"] + floor["h2d"]
     limit = max(floor["adam"], floor["d2h"], floor["h2d"])
     contended = max(floor["adam_beside_copies"], floor["d2h"], floor["h2d"])
+    moved = max(
+        floor.get("adam_beside_fp32_copies", 0.0),
+        floor.get("d2h_fp32", 0.0),
+        floor.get("h2d_fp32", 0.0),
+    )
     return {
         "case": case,
         "fraction": fraction,
@@ -584,6 +605,8 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "ratio_limit": result["step"] / limit if limit else float("nan"),
         "limit_contended_s": contended,
         "ratio_contended": result["step"] / contended if contended else float("nan"),
+        "limit_fp32_contended_s": moved,
+        "ratio_fp32_contended": result["step"] / moved if moved else float("nan"),
         "pinned_held_mib": result["pinned_held"] / 2**20,
         "pinned_live_mib": result["pinned_live"] / 2**20,
         "floor": floor,
@@ -660,7 +683,9 @@ def main():
         "bytes (one pinned block each way); limit = the longest of the three; adam flat = that "
         "AdamW over the same elements as flat 64 MiB blocks (one tensor per HDO bucket; not in "
         "the limits); contended = the "
-        "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); step = "
+        "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); fp32 "
+        "contended = the same with the fp32 copies the fork moves (adam|fp32, and those copies' "
+        "own times), not one of the issue's bounds; step = "
         "median of step() alone (the median over --rounds processes; min-max over all their "
         "steps); per process = each process's median step; outside = the benchmark's own work "
         "per step (handing out gradients), not in step; run = the row's processes, start to end "

@@ -35,6 +35,24 @@ def test_the_contended_limit_takes_adam_as_timed_beside_the_copies():
     ] == pytest.approx(0.2)
 
 
+def test_the_fp32_contended_bound_takes_adam_beside_the_fp32_copies():
+    """Apart from the issue's bf16 bounds, the bound of a pipeline that moves fp32 both ways:
+    AdamW timed beside fp32 copies, or those copies where they take longer."""
+    floor = {"adam": 0.10, "d2h": 0.02, "h2d": 0.03, "adam_beside_copies": 0.11}
+    floor.update(adam_beside_fp32_copies=0.125, d2h_fp32=0.04, h2d_fp32=0.06)
+    result = {"step": 0.15, "step_min": 0.14, "step_max": 0.16, "outside": 0.0}
+    result.update(pinned_held=0, pinned_live=0)
+    row = benchmark.row_of("gpt", 1.0, True, "fork", result, floor, True)
+    assert row["limit_contended_s"] == 0.11 and row["limit_fp32_contended_s"] == 0.125
+    assert row["ratio_fp32_contended"] == pytest.approx(1.2)
+    wide_slow = dict(floor, h2d_fp32=0.3)
+    assert benchmark.row_of("gpt", 1.0, True, "fork", result, wide_slow, True)[
+        "limit_fp32_contended_s"
+    ] == pytest.approx(0.3)
+    cells = {name: cell(row) for name, _, cell in benchmark.COLUMNS}
+    assert cells["/fp32 contended"] == "1.20" and cells["adam|fp32 s"] == "0.125"
+
+
 def test_the_flat_adam_blocks_cover_the_elements_in_bucket_sized_pieces():
     assert benchmark.flat_blocks(10, block_numel=4) == [4, 4, 2]
     assert benchmark.flat_blocks(8, block_numel=4) == [4, 4]
