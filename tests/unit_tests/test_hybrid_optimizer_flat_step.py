@@ -12,6 +12,7 @@ replaces between steps.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -393,3 +394,33 @@ def test_step_hooks_of_a_host_sub_optimizer_run(monkeypatch):
     train(reference_params, reference, 1, seed=1)
     train(reference_params, reference, 2, seed=2)
     assert_same((params, optimizer), (reference_params, reference))
+
+
+_ID_AUDITS = {"listening": False, "count": 0}
+
+
+def _count_id_audits(event, _args):
+    if _ID_AUDITS["listening"] and event == "builtins.id":
+        _ID_AUDITS["count"] += 1
+
+
+def test_the_flat_step_looks_at_its_state_without_an_id_per_tensor(monkeypatch):
+    """Each step checks that the state is still the tensors it laid out. It names them without
+    ``id``, whose audit event runs every installed audit hook in Python (filelock, which torch
+    and megatron import, installs one): on thousands of shards, milliseconds a step."""
+    if not _ID_AUDITS.get("installed"):
+        sys.addaudithook(_count_id_audits)  # stays for the process; counts only when listening
+        _ID_AUDITS["installed"] = True
+    params, optimizer = make(BUCKET_BYTES, monkeypatch)
+    train(params, optimizer, 2, seed=4)  # the state is laid out in blocks from here on
+    buckets = flat_buckets(optimizer)
+    tensors = sum(len(bucket.hosts) for bucket in buckets)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    _ID_AUDITS.update(listening=True, count=0)
+    try:
+        optimizer.step()
+    finally:
+        _ID_AUDITS["listening"] = False
+    assert all(bucket.flat._seen is not None for bucket in buckets)  # stepped flat
+    assert _ID_AUDITS["count"] < tensors, (_ID_AUDITS["count"], tensors)

@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import _hooked
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import _hooked, tensor_marks
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -407,4 +407,4 @@ def _look(groups) -> Optional[tuple]:
             tensors += values
     if not all(type(tensor) in PLAIN_TENSORS for tensor in tensors):
         return None
-    return tuple(sizes), tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
+    return (tuple(sizes), *tensor_marks(tensors))

@@ -272,14 +272,25 @@ def _fits(value, host: torch.Tensor) -> bool:
     )
 
 
+def tensor_marks(tensors: List[torch.Tensor]) -> Tuple[tuple, tuple]:
+    """Which tensors these are and where their memory is, as numbers (nothing kept alive).
+
+    A tensor is named by ``object.__hash__``, which no other live object shares, rather than
+    by ``id``: ``id`` raises an audit event, and where an audit hook is installed (filelock,
+    which torch and megatron import, installs one) each call runs that hook in Python, several
+    times the cost, on thousands of tensors a step.
+    """
+    return tuple(map(object.__hash__, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
+
+
 def _look(counters, moments) -> Optional[tuple]:
     """What tells the next step that the layout is as this one left it: which tensors the
     entries hold and where their memory is (a ``.data`` swap moves it). Numbers only, so it
     keeps no tensor alive; None where a value is missing or no tensor."""
     tensors = counters + [value for values in moments for value in values]
     try:
-        return tuple(map(id, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
-    except TypeError:
+        return tensor_marks(tensors)
+    except TypeError:  # data_ptr of something else
         return None
 
 
