@@ -943,7 +943,7 @@ def test_a_slot_stages_only_the_pageable_uploads_of_its_last_bucket(overlap, mon
 @requires_cuda
 def test_pageable_copies_go_up_through_their_slot_before_it_is_reused(monkeypatch):
     """A large first bucket widens the ring, so upstream's pinned budget leaves copies
-    pageable whose slot the bucket three later reuses. Each still goes up through its pinned
+    pageable whose slot a later bucket reuses. Each still goes up through its pinned
     slot (no upload from pageable memory, which blocks the host), and the later download into
     that slot waits for the upload: the results are those of the straightforward path."""
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 64 * 4)

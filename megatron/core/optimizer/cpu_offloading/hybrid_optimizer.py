@@ -94,8 +94,8 @@ _HDO_OPTIONS = (
 _HOST_BUCKET_BYTES = 64 << 20
 
 # Gradient staging slots in the host ring: the downloads of the next buckets run while the
-# host steps the current one; a third slot, where it leaves no host copy pageable, absorbs
-# jitter in either.
+# host steps the current one; a third absorbs jitter in either, unless two slots let more host
+# copies be pinned within the budget (see plan_pinned_host_memory).
 _RING_SLOTS = 3
 
 # Byte alignment of each gradient inside a slot (one cache line).
