@@ -249,20 +249,16 @@ def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly(monkeypatc
     the host and come back as new tensors one by one; the next step lays them out and takes
     runs (no walk of TE's), all exact."""
     walked = count_walked(monkeypatch, in_place_cls)
-    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
+    ours, theirs = flat_and_reference(in_place_cls)
     generator = torch.Generator().manual_seed(2)
-    for step in range(5):
-        give_grads(generator, params, ref_params)
-        if step in (2, 3):
-            reassign_moments((hdo, reference), lambda entry, value: value.to("cpu", copy=True))
-            reassign_moments(
-                (hdo, reference), lambda entry, value: value.to(entry.inner.device, copy=True)
-            )
-        walked.clear()
-        hdo.step()
-        assert walked == [2], (step, walked)
-        reference.step()
-        assert_same(hdo, reference, params, ref_params)
+    step_both_over_runs(walked, generator, ours, theirs, 2)
+    for _ in range(2):
+        optimizers = (ours[0], theirs[0])
+        reassign_moments(optimizers, lambda entry, value: value.to("cpu", copy=True))
+        reassign_moments(optimizers, lambda entry, value: value.to(entry.inner.device, copy=True))
+        step_both_over_runs(walked, generator, ours, theirs, 1)
+    step_both_over_runs(walked, generator, ours, theirs, 1)
+    hdo = ours[0]
     # After the last move the moments were laid out again.
     assert_moments_laid_out(hdo.gpu_optimizer)
 
@@ -275,28 +271,23 @@ def test_te_state_parked_on_the_host_comes_home_laid_out(monkeypatch, in_place_c
     ``_move_new_state_to_right_device()`` (or by the next step): into one block per run, so
     the step after takes runs, and all equal TE stepping the tensors one by one."""
     walked = count_walked(monkeypatch, in_place_cls)
-    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
+    ours, theirs = flat_and_reference(in_place_cls)
+    hdo, reference = ours[0], theirs[0]
     generator = torch.Generator().manual_seed(8)
-    for step in range(4):
-        give_grads(generator, params, ref_params)
-        if step == 2:
-            reassign_moments((hdo, reference), lambda _, value: value.to("cpu", non_blocking=True))
-            torch.cuda.synchronize()
-            assert all(
-                hdo.gpu_optimizer.state[clone][key].device.type == "cpu"
-                for group in hdo.gpu_optimizer.param_groups
-                for clone in group["params"]
-                for key in ("exp_avg", "exp_avg_sq")
-            )
-            if taken_home_by != "the next step":
-                for optimizer in (hdo, reference):
-                    getattr(optimizer, taken_home_by)()
-                assert_moments_laid_out(hdo.gpu_optimizer)
-        walked.clear()
-        hdo.step()
-        assert walked == [2], (step, walked)
-        reference.step()
-        assert_same(hdo, reference, params, ref_params)
+    step_both_over_runs(walked, generator, ours, theirs, 2)
+    reassign_moments((hdo, reference), lambda _, value: value.to("cpu", non_blocking=True))
+    torch.cuda.synchronize()
+    assert all(
+        hdo.gpu_optimizer.state[clone][key].device.type == "cpu"
+        for group in hdo.gpu_optimizer.param_groups
+        for clone in group["params"]
+        for key in MOMENT_KEYS
+    )
+    if taken_home_by != "the next step":
+        for optimizer in (hdo, reference):
+            getattr(optimizer, taken_home_by)()
+        assert_moments_laid_out(hdo.gpu_optimizer)
+    step_both_over_runs(walked, generator, ours, theirs, 2)
     assert_moments_laid_out(hdo.gpu_optimizer)
 
 

@@ -31,7 +31,11 @@ from typing import List, Optional, Sequence, Set, Tuple
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import _hooked, tensor_marks
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
+    _hooked,
+    share_memory,
+    tensor_marks,
+)
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -334,7 +338,7 @@ class FlatInPlaceStep:
         if seen is None or seen in (self._seen, self._checked):
             return False  # as a flat step or the last lay-out left it
         moved = False
-        if _overlapping([values for _, _, moments in groups for values in moments]):
+        if share_memory(v for _, _, moments in groups for values in moments for v in values):
             groups = []
         for params, _, moments in groups:
             layout = _Layout(params)
@@ -372,17 +376,6 @@ def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor
         return [torch.zeros_like(params[first], dtype=torch.float32)]
     block = torch.zeros(numel, dtype=torch.float32, device=params[first].device)
     return list(_unflatten_dense_tensors(block, params[first : first + count]))
-
-
-def _overlapping(moments) -> bool:
-    """Whether any two of the moments (lists of values, all keys and groups) share memory."""
-    spans = sorted(
-        (value.device.type, value.device.index, value.data_ptr(), value.data_ptr() + value.nbytes)
-        for values in moments
-        for value in values
-        if isinstance(value, torch.Tensor) and value.nbytes
-    )
-    return any(a[:2] == b[:2] and b[2] < a[3] for a, b in zip(spans, spans[1:]))
 
 
 def _fits(value, param: torch.Tensor) -> bool:

@@ -232,12 +232,7 @@ class FlatAdamStep:
         hosts = self.optimizer.param_groups[0]["params"]
         if not all(_fits(value, host) for values in moments for value, host in zip(values, hosts)):
             return False
-        spans = sorted(
-            (value.data_ptr(), value.data_ptr() + value.nbytes)
-            for values in moments
-            for value in values
-        )
-        return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        return not share_memory(value for values in moments for value in values)
 
     @torch.no_grad()
     def lay_out(self):
@@ -270,6 +265,17 @@ def _fits(value, host: torch.Tensor) -> bool:
         and value.numel() == host.numel()
         and value.is_contiguous()
     )
+
+
+def share_memory(values) -> bool:
+    """Whether any two of the tensors among ``values`` share memory (on one device); other
+    values and empty tensors are passed over."""
+    spans = sorted(
+        (value.device.type, value.device.index, value.data_ptr(), value.data_ptr() + value.nbytes)
+        for value in values
+        if isinstance(value, torch.Tensor) and value.nbytes
+    )
+    return any(a[:2] == b[:2] and b[2] < a[3] for a, b in zip(spans, spans[1:]))
 
 
 def tensor_marks(tensors: List[torch.Tensor]) -> Tuple[tuple, tuple]:
