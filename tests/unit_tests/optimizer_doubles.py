@@ -5,12 +5,42 @@ Imported as ``optimizer_doubles`` (pytest puts this folder on ``sys.path``) or a
 ``tests.unit_tests.optimizer_doubles`` from a checkout whose ``tests/`` is a package.
 """
 
+import contextlib
+import sys
+
 import torch
 
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch built without distributed
     DTensor = None
+
+
+_ID_AUDITS = {"installed": False, "listening": False, "count": 0}
+
+
+def _count_id_audits(event, _args):
+    if _ID_AUDITS["listening"] and event == "builtins.id":
+        _ID_AUDITS["count"] += 1
+
+
+@contextlib.contextmanager
+def counting_id_audits():
+    """Count the calls of ``id`` inside the block: yields a dict whose ``count`` holds them.
+
+    Each ``id`` raises an audit event, and where an audit hook is installed (filelock, which
+    torch and megatron import, installs one) every such event runs that hook in Python. The
+    hook installed here stays for the process (hooks cannot be removed) and counts only inside
+    such a block.
+    """
+    if not _ID_AUDITS["installed"]:
+        sys.addaudithook(_count_id_audits)
+        _ID_AUDITS["installed"] = True
+    _ID_AUDITS.update(listening=True, count=0)
+    try:
+        yield _ID_AUDITS
+    finally:
+        _ID_AUDITS["listening"] = False
 
 
 def te_fused_adam():
@@ -97,9 +127,9 @@ class FusedAdamDouble(torch.optim.Optimizer):
 
     ``step`` keeps the Adam step in ``param_group["step"]``, creates the state of every
     parameter it visits (with a gradient or not, as TE does) and does a plain AdamW update in
-    fp32 (from master weights where kept) of those with a gradient. Not reproduced: Float8Tensor (uint8 states are plain
-    uint8 tensors), DTensor re-wrapping of allocated state, tensor learning rates of capturable
-    mode, and the fused kernels' arithmetic.
+    fp32 (from master weights where kept) of those with a gradient. Not reproduced:
+    Float8Tensor (uint8 states are plain uint8 tensors), DTensor re-wrapping of allocated
+    state, tensor learning rates of capturable mode, and the fused kernels' arithmetic.
     """
 
     RANGES = {torch.float16: torch.finfo(torch.float16).max / 2.0, torch.uint8: 448.0}

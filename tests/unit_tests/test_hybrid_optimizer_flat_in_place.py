@@ -18,9 +18,9 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDevice
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import adjacent_runs
 
 try:
-    from optimizer_doubles import GroupStepAdamW, te_fused_adam
+    from optimizer_doubles import GroupStepAdamW, counting_id_audits, te_fused_adam
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import GroupStepAdamW, te_fused_adam
+    from tests.unit_tests.optimizer_doubles import GroupStepAdamW, counting_id_audits, te_fused_adam
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -242,6 +242,34 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
         assert_moments_laid_out(hdo.gpu_optimizer)
         reference.step()
         assert_same(hdo, reference, params, ref_params)
+
+
+def test_a_step_over_runs_finds_the_state_without_an_id_per_tensor(monkeypatch, in_place_cls):
+    """Each step looks up the in-place tensors' entries; a dict lookup by tensor calls ``id``,
+    whose audit event runs every installed audit hook in Python (filelock installs one), which
+    on thousands of shards in place costs milliseconds a step. The in-place step's lookups are
+    per run (the optimizer's own step over them), not per tensor. Still exact."""
+    walked = count_walked(monkeypatch, in_place_cls)
+    ours, theirs = flat_and_reference(in_place_cls)
+    generator = torch.Generator().manual_seed(11)
+    step_both_over_runs(walked, generator, ours, theirs, 2)
+    (hdo, params), (reference, ref_params) = ours, theirs
+    in_place = sum(len(group["params"]) for group in hdo.gpu_optimizer.param_groups)
+    counted = []
+    step_in_place = hdo._step_in_place_whole
+
+    def counting_step():
+        with counting_id_audits() as audits:
+            step_in_place()
+        counted.append(audits["count"])
+
+    monkeypatch.setattr(hdo, "_step_in_place_whole", counting_step)
+    give_grads(generator, params, ref_params)
+    walked.clear()
+    hdo.step()
+    assert walked == [2] and counted[0] < in_place, (walked, counted, in_place)
+    reference.step()
+    assert_same(hdo, reference, params, ref_params)
 
 
 def test_te_state_moved_away_and_back_by_a_client_still_steps_exactly(monkeypatch, in_place_cls):

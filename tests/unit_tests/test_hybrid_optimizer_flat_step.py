@@ -12,7 +12,6 @@ replaces between steps.
 """
 
 import copy
-import sys
 
 import pytest
 import torch
@@ -21,10 +20,12 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     from hdo_client_flows import build_hdo
+    from optimizer_doubles import counting_id_audits
     from test_hybrid_optimizer_packed_copies import assert_same
     from test_optimizer_cpu_offloading import train_drawn
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests.hdo_client_flows import build_hdo
+    from tests.unit_tests.optimizer_doubles import counting_id_audits
     from tests.unit_tests.test_hybrid_optimizer_packed_copies import assert_same
     from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
 
@@ -396,31 +397,17 @@ def test_step_hooks_of_a_host_sub_optimizer_run(monkeypatch):
     assert_same((params, optimizer), (reference_params, reference))
 
 
-_ID_AUDITS = {"listening": False, "count": 0}
-
-
-def _count_id_audits(event, _args):
-    if _ID_AUDITS["listening"] and event == "builtins.id":
-        _ID_AUDITS["count"] += 1
-
-
 def test_the_flat_step_looks_at_its_state_without_an_id_per_tensor(monkeypatch):
     """Each step checks that the state is still the tensors it laid out. It names them without
     ``id``, whose audit event runs every installed audit hook in Python (filelock, which torch
     and megatron import, installs one): on thousands of shards, milliseconds a step."""
-    if not _ID_AUDITS.get("installed"):
-        sys.addaudithook(_count_id_audits)  # stays for the process; counts only when listening
-        _ID_AUDITS["installed"] = True
     params, optimizer = make(BUCKET_BYTES, monkeypatch)
     train(params, optimizer, 2, seed=4)  # the state is laid out in blocks from here on
     buckets = flat_buckets(optimizer)
     tensors = sum(len(bucket.hosts) for bucket in buckets)
     for param in params:
         param.grad = torch.ones_like(param)
-    _ID_AUDITS.update(listening=True, count=0)
-    try:
+    with counting_id_audits() as audits:
         optimizer.step()
-    finally:
-        _ID_AUDITS["listening"] = False
     assert all(bucket.flat._seen is not None for bucket in buckets)  # stepped flat
-    assert _ID_AUDITS["count"] < tensors, (_ID_AUDITS["count"], tensors)
+    assert audits["count"] < tensors, (audits["count"], tensors)

@@ -26,7 +26,7 @@ client took of a moment before it was laid out still shows the old memory.
 """
 
 from itertools import repeat
-from typing import List, Optional, Sequence, Set, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -143,6 +143,23 @@ class _Layout:
         return True
 
 
+def state_entries(state) -> Callable[[List[torch.Tensor]], List[dict]]:
+    """A function from parameters to their entries in ``state`` ({} where one has none or an
+    empty one), as ``state.get`` would find them.
+
+    A lookup by tensor hashes it through ``id``, whose audit event runs every installed audit
+    hook in Python (filelock, which torch and megatron import, installs one); keyed by
+    ``object.__hash__`` instead, which names the same objects, thousands of lookups a step stay
+    in C.
+    """
+    by_mark = dict(zip(map(object.__hash__, state), state.values()))
+
+    def entries(params: List[torch.Tensor]) -> List[dict]:
+        return [entry or {} for entry in map(by_mark.get, map(object.__hash__, params))]
+
+    return entries
+
+
 def _run_tensor(values, run: Run) -> torch.Tensor:
     """One tensor over a run: its first value itself, or a flat view from it over the run."""
     first, count, numel = run
@@ -164,18 +181,18 @@ class FlatInPlaceStep:
 
     def _entries(self):
         """The state entry of every parameter ({} where it has none)."""
-        state = self.optimizer.state
+        entries = state_entries(self.optimizer.state)
         return [
-            state.get(p) or {} for group in self.optimizer.param_groups for p in group["params"]
+            entry for group in self.optimizer.param_groups for entry in entries(group["params"])
         ]
 
     def _groups(self, with_grads: bool = True):
         """Per group: its parameters, their gradients (or None) and each moment's values."""
-        state = self.optimizer.state
+        entries_of = state_entries(self.optimizer.state)
         groups = []
         for group in self.optimizer.param_groups:
             params = group["params"]
-            entries = [state.get(param) or {} for param in params]
+            entries = entries_of(params)
             moments = [list(map(dict.get, entries, repeat(key))) for key in _MOMENTS]
             grads = [param.grad for param in params] if with_grads else None
             groups.append((params, grads, moments))
@@ -301,9 +318,10 @@ class FlatInPlaceStep:
         if not steps_flat(optimizer):
             return False
         created = False
+        entries = state_entries(optimizer.state)
         for group in optimizer.param_groups:
             params = group["params"]
-            if not params or any(optimizer.state.get(p) for p in params):
+            if not params or any(entries(params)):
                 continue
             if not all(type(p) in PLAIN_TENSORS and p.numel() > 0 for p in params):
                 continue
