@@ -28,7 +28,9 @@ fused AdamW runs one parallel region per tensor, so the floor's AdamW carries a 
 shard; ``adam flat s`` is the same AdamW over the same elements as flat 64 MiB blocks (one
 tensor per fork HDO bucket), shown beside the limits as the headroom a step over whole
 buckets would have, not used in them. Only ``step()`` is timed; what the benchmark itself
-does between steps (handing out gradients) is timed apart and reported as ``outside s``.
+does between steps (handing out gradients) is timed apart and reported as ``outside s``, and
+the time Python's garbage collector ran inside timed steps as ``gc s`` (a full collection runs
+after the warm-up, so the state the first steps created is not collected in a timed one).
 Step times differ more between processes than between the steps of one (up to a fifth on the
 H200 host, for the same code), so ``--rounds`` starts several processes per implementation
 in turn and reports the median over them.
@@ -125,38 +127,73 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+class CollectorPauses:
+    """Seconds Python's cyclic garbage collector ran while ``timing`` is set.
+
+    A collection runs whenever enough container objects were allocated, in whatever call is
+    running then; its length grows with the whole process's heap (torch, megatron), not with
+    the call it lands in, so it is reported apart rather than left unexplained in a step.
+    """
+
+    def __init__(self):
+        self.timing = False
+        self.seconds = 0.0
+        self._started = None
+
+    def __call__(self, phase, _info):
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self.timing and self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
 def timed(fn, device, repeats, warmup=1, before=None):
     """Wall times of ``fn`` over ``repeats`` runs after ``warmup`` runs, and of ``before``.
 
     ``before`` (the benchmark's own work, such as handing out gradients) runs ahead of each
-    call and is timed on its own, outside the time of ``fn``.
+    call and is timed on its own, outside the time of ``fn``. A full collection runs after the
+    warm-up, so that the objects the first calls made (the optimizer's state) are not
+    collected inside a timed call; collections that still land in one are counted.
 
     Returns:
-        ``{"median", "min", "max"}`` of ``fn`` and ``"outside"``, the median of ``before``.
+        ``{"median", "min", "max"}`` of ``fn``, ``"outside"``, the median of ``before``, and
+        ``"gc"``, the seconds the collector ran inside the timed calls of ``fn``, in all.
     """
     outside = []
-    for index in range(warmup + repeats):
-        if before is not None:
+    with CollectorPauses() as pauses:
+        for index in range(warmup + repeats):
+            if before is not None:
+                sync(device)
+                start = time.perf_counter()
+                before()
+                sync(device)
+                outside.append(time.perf_counter() - start)
+            if index < warmup:
+                fn()
+                continue
+            if index == warmup:
+                times = []
+                gc.collect()
             sync(device)
+            pauses.timing = True
             start = time.perf_counter()
-            before()
-            sync(device)
-            outside.append(time.perf_counter() - start)
-        if index < warmup:
             fn()
-            continue
-        if index == warmup:
-            times = []
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
+            sync(device)
+            times.append(time.perf_counter() - start)
+            pauses.timing = False
     return {
         "median": statistics.median(times),
         "min": min(times),
         "max": max(times),
         "outside": statistics.median(outside) if outside else 0.0,
+        "gc": pauses.seconds,
     }
 
 
@@ -364,6 +401,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         "step_min": times["min"],
         "step_max": times["max"],
         "outside": times["outside"],
+        "gc": times["gc"],
         "pinned_held": pinned_bytes_held(),
         "pinned_live": pinned_bytes_in_use(),
         "digest": digest.hexdigest(),
@@ -549,6 +587,7 @@ COLUMNS = [
     ("adam|copies s", 13, lambda r: f"{r['floor']['adam_beside_copies']:.3f}"),
     ("adam|fp32 s", 11, lambda r: f"{r['floor'].get('adam_beside_fp32_copies', 0.0):.3f}"),
     ("outside s", 9, lambda r: f"{r['outside_s']:.3f}"),
+    ("gc s", 5, lambda r: f"{r['gc_in_steps_s']:.3f}"),
     ("run s", 5, lambda r: f"{r['worker_s']:.0f}"),
     ("equal", 5, lambda r: str(r["params_equal_across_implementations"])),
 ]
@@ -565,6 +604,7 @@ def combined(rounds):
         "step_max": max(result["step_max"] for result in rounds),
         "step_per_process": steps,
         "outside": statistics.median(result["outside"] for result in rounds),
+        "gc": sum(result.get("gc", 0.0) for result in rounds),
         "worker_s": sum(result["worker_s"] for result in rounds),
     }
     for key in ("pinned_held", "pinned_live"):
@@ -597,6 +637,7 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "step_max_s": result["step_max"],
         "step_per_process_s": result.get("step_per_process", [result["step"]]),
         "outside_s": result["outside"],
+        "gc_in_steps_s": result.get("gc", 0.0),
         "worker_s": result.get("worker_s", 0.0),
         "breakdown_ms": result.get("breakdown_ms", {}),
         "floor_s": serial,
@@ -688,7 +729,9 @@ def main():
         "own times), not one of the issue's bounds; step = "
         "median of step() alone (the median over --rounds processes; min-max over all their "
         "steps); per process = each process's median step; outside = the benchmark's own work "
-        "per step (handing out gradients), not in step; run = the row's processes, start to end "
+        "per step (handing out gradients), not in step; gc = seconds Python's garbage collector "
+        "ran inside the timed steps, all processes together (a full collection runs after the "
+        "warm-up); run = the row's processes, start to end "
         "(the floor's own time is floor.measured_in_s in the JSON); pinned = pinned host memory "
         "the process holds after the timed steps (one process per row, allocator cache "
         "included); live = pinned storage its tensors use; equal = identical parameters "

@@ -1,6 +1,7 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 """The HDO step benchmark's arithmetic: both limits and the ratios it prints (CPU)."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -51,6 +52,27 @@ def test_the_fp32_contended_bound_takes_adam_beside_the_fp32_copies():
     ] == pytest.approx(0.3)
     cells = {name: cell(row) for name, _, cell in benchmark.COLUMNS}
     assert cells["/fp32 contended"] == "1.20" and cells["adam|fp32 s"] == "0.125"
+
+
+def test_collector_pauses_inside_timed_steps_are_counted_apart_and_warm_up_ones_are_not():
+    """A collection that lands in a timed call is reported as ``gc``; the collections of the
+    warm-up and the full one after it are not; a call that triggers none reports none."""
+    calls = []
+
+    def collecting():
+        calls.append(None)
+        if len(calls) > 1:  # warm-up call first, then the timed ones
+            gc.collect()
+
+    timed = benchmark.timed(collecting, "cpu", repeats=3, warmup=1)
+    assert timed["gc"] > 0 and len(calls) == 4
+    quiet = benchmark.timed(lambda: None, "cpu", repeats=3, warmup=1, before=gc.collect)
+    assert quiet["gc"] == 0.0  # collections in ``before`` and after the warm-up are outside
+    result = {"step": 0.15, "step_min": 0.14, "step_max": 0.16, "outside": 0.0, "gc": 0.25}
+    result.update(pinned_held=0, pinned_live=0)
+    floor = {"adam": 0.10, "d2h": 0.02, "h2d": 0.03, "adam_beside_copies": 0.125}
+    row = benchmark.row_of("stress", 0.5, True, "fork", result, floor, True)
+    assert {name: cell(row) for name, _, cell in benchmark.COLUMNS}["gc s"] == "0.250"
 
 
 def test_the_flat_adam_blocks_cover_the_elements_in_bucket_sized_pieces():
