@@ -8,13 +8,14 @@ copies) and the overlap on: the host buckets as the HDO builds them
 slots and the host copies pinned within upstream's pinned bytes as ``plan_pinned_host_memory``
 chooses them, and what stays pageable, with copies moved whole and in parts of
 ``--part-mib`` (as the HDO parts them under torch's fused AdamW). Prints one line per case,
-fraction and way; no timing.
+fraction and way (also whole copies in buckets sized to the offloaded bytes, the HDO's
+``size_host_buckets``); no timing.
 """
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import torch
 
@@ -36,16 +37,23 @@ def host_numels(numels: List[int], fraction: float) -> List[int]:
     return chosen
 
 
-def plan(numels: List[int], fraction: float, part_bytes: int) -> Dict[str, float]:
-    """The ring and pinning plan for these shards: MiB of ring, pinned and pageable copies."""
+def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = False):
+    """The ring and pinning plan for these shards: MiB of ring, pinned and pageable copies, with
+    the fixed bucket cap or, if ``sized``, the cap sized to the offloaded bytes (the HDO's
+    ``size_host_buckets``)."""
     copies = [
         torch.empty(n, dtype=torch.float32, device="meta") for n in host_numels(numels, fraction)
     ]
     params = [
         torch.empty(n, dtype=torch.bfloat16, device="meta") for n in host_numels(numels, fraction)
     ]
+    cap = hdo._HOST_BUCKET_BYTES
+    if sized:
+        cap = hdo.sized_bucket_bytes(
+            sum(map(hdo._nbytes, copies)), cap, least=hdo._LEAST_SIZED_BUCKET_BYTES
+        )
     optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
-        torch.optim.AdamW, [{"params": copies}], hdo._HOST_BUCKET_BYTES
+        torch.optim.AdamW, [{"params": copies}], cap
     )
     staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
     for optimizer in optimizers:
@@ -65,6 +73,7 @@ def plan(numels: List[int], fraction: float, part_bytes: int) -> Dict[str, float
     ring = sum(hdo.pinned_block_bytes(n) for n in hdo.slot_sizes(staged, slots))
     mib = 1 << 20
     return {
+        "cap": cap / mib,
         "buckets": len(staged),
         "budget": budget / mib,
         "ring": ring / mib,
@@ -98,15 +107,20 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """Print the plan of every case and fraction, copies whole and in parts."""
+    """Print the plan of every case and fraction: copies whole, in parts, and whole in buckets
+    sized to the offloaded bytes."""
     args = parse_args(argv)
-    print("MiB; budget = upstream 0.19.2's pinned blocks; pinned = host copies' blocks")
+    print("MiB; cap = bucket cap; budget = upstream 0.19.2's pinned blocks; pinned = host copies'")
+    ways = {
+        "whole copies": (0, False),
+        f"parts of {args.part_mib} MiB": (args.part_mib << 20, False),
+        "sized buckets": (0, True),
+    }
     for case in args.case:
         numels = case_numels(case, args.dp)
         for fraction in args.fractions:
-            for part_bytes in (0, args.part_mib << 20):
-                way = f"parts of {args.part_mib} MiB" if part_bytes else "whole copies"
-                figures = plan(numels, fraction, part_bytes)
+            for way, (part_bytes, sized) in ways.items():
+                figures = plan(numels, fraction, part_bytes, sized)
                 cells = ", ".join(
                     f"{key} {value:.0f}" if isinstance(value, float) else f"{key} {value}"
                     for key, value in figures.items()

@@ -97,6 +97,12 @@ FORK_VARIANTS = {
         {"host_part_bytes": 16 << 20},
         "host copies larger than 16 MiB stepped and moved in parts of 16 MiB (host_part_bytes)",
     ),
+    "fork sized": (
+        "sized_buckets",
+        {"size_host_buckets": True},
+        "its host buckets sized to the offloaded bytes (size_host_buckets: at least eight, "
+        "16-64 MiB; smaller than 64 MiB only where less than 512 MiB is offloaded)",
+    ),
 }
 
 

@@ -675,6 +675,45 @@ def test_full_host_buckets_stage_exactly_the_pinned_block_they_are_given(monkeyp
     assert len(buckets) < len(params) // 8
 
 
+def test_a_sized_bucket_cap_is_an_eighth_of_the_offloaded_bytes_within_its_bounds():
+    sized, mib = hybrid_optimizer.sized_bucket_bytes, 1 << 20
+    assert sized(2048 * mib, 64 * mib) == 64 * mib  # an eighth above the cap: the cap
+    assert sized(512 * mib, 64 * mib) == 64 * mib
+    assert sized(511 * mib, 64 * mib) == 32 * mib  # the power of two below an eighth
+    assert sized(128 * mib, 64 * mib) == 16 * mib
+    assert sized(3 * mib, 64 * mib) == 16 * mib  # never below the least
+    assert sized(3 * mib, 64 * mib, least=1 << 16) == 256 << 10
+    assert sized(0, 64 * mib) == 64 * mib
+    assert sized(mib, 1 << 14) == 1 << 14  # a least above the most: the most
+
+
+def test_sized_host_buckets_cut_a_small_offload_finer_and_step_exactly(monkeypatch):
+    """``size_host_buckets``: a small offload (a data-parallel rank's shards) is cut into at
+    least eight buckets instead of filling a few up to the fixed cap; the parameters and the
+    host state step exactly as with the fixed cap. Scaled down: a 64 KiB cap, 4 KiB the least."""
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        pytest.skip("the fork's buckets")
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 16)
+    monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", 1 << 12)
+    numels = [1000, 24, 2048, 777] * 10  # 153 KiB as staged in fp32: an eighth rounds to 16
+    params = flat_params(numels, torch.bfloat16, seed=5)
+    expected = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = make_optimizer(params, 1.0, fused=True)
+    optimizer.size_host_buckets = True  # read when the buckets are built, on first use
+    reference = make_optimizer(expected, 1.0, fused=True)
+    optimizer._ensure_built()
+    reference._ensure_built()
+    staged = [bucket.nbytes for bucket in optimizer._buckets if bucket.grads]
+    assert max(staged) <= 1 << 14 < max(b.nbytes for b in reference._buckets)
+    assert len(staged) >= 8 > len([b for b in reference._buckets if b.grads])
+    train(params, optimizer, 3, seed=12)
+    train(expected, reference, 3, seed=12)
+    assert_equal_params(params, expected)
+    for param, ref in zip(params, expected):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[param][key], reference.state[ref][key])
+
+
 def test_many_small_parameters_share_host_optimizers_and_step_exactly():
     generator = torch.Generator().manual_seed(3)
     params = [

@@ -42,6 +42,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     pack_host_copies,
     pinned_block_bytes,
     plan_pinned_host_memory,
+    sized_bucket_bytes,
     slot_sizes,
     upstream_pinned_bytes,
 )
@@ -92,6 +93,9 @@ _HDO_OPTIONS = (
 # two: a full bucket's block and slot waste nothing, where a bucket just past the cap would
 # hold twice its bytes.
 _HOST_BUCKET_BYTES = 64 << 20
+
+# The smallest cap size_host_buckets gives (see sized_bucket_bytes).
+_LEAST_SIZED_BUCKET_BYTES = 16 << 20
 
 # Gradient staging slots in the host ring: the downloads of the next buckets run while the
 # host steps the current one; a third absorbs jitter in either, unless two slots let more host
@@ -217,6 +221,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # moved in parts of this size, each a bucket of the pipeline, where their sub-optimizer is
     # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
     host_part_bytes = 0
+
+    # Size the host buckets to the offloaded bytes (at least eight buckets, between 16 MiB and
+    # _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES.
+    size_host_buckets = False
 
     def __init__(
         self,
@@ -447,7 +455,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # Buckets in both modes: they bound the gradient staging (and so the pinned memory);
         # the overlap option decides how many buckets are in flight (see _plan_grad_ring).
         self.cpu_optimizers = self.build_cpu_optimizer_list(
-            self.cpu_optimizer_cls, self.cpu_param_groups, _HOST_BUCKET_BYTES
+            self.cpu_optimizer_cls, self.cpu_param_groups, self._host_bucket_bytes()
         )
         self.gpu_optimizer = (
             self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
@@ -480,6 +488,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._entries[param] = self._entries_by_inner[inner] = entry
             dict.__setitem__(owner.state, inner, entry)
         self._plan_grad_ring()
+
+    def _host_bucket_bytes(self) -> int:
+        """The cap on a host bucket's staged bytes (``size_host_buckets``)."""
+        if not self.size_host_buckets:
+            return _HOST_BUCKET_BYTES
+        offloaded = self.cpu_copys_map_gpu_param
+        staged = sum(
+            _nbytes(host)
+            for group in self.cpu_param_groups
+            for host in group["params"]
+            if host in offloaded
+        )
+        return sized_bucket_bytes(staged, _HOST_BUCKET_BYTES, least=_LEAST_SIZED_BUCKET_BYTES)
 
     def _plan_grad_ring(self):
         """Lay out where each host bucket stages its gradients; allocate nothing yet.

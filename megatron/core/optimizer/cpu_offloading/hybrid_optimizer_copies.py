@@ -115,6 +115,23 @@ def plan_pinned_host_memory(
     return slots, pinned
 
 
+def sized_bucket_bytes(
+    staged_bytes: int, most: int, buckets: int = 8, least: int = 16 << 20
+) -> int:
+    """A bucket cap for ``staged_bytes`` of offloaded copies: the largest power of two that cuts
+    them into at least ``buckets`` buckets, within ``least`` and ``most``.
+
+    The pipeline's ends (the first download, the last upload) and each ring slot are a bucket
+    long, so where few buckets hold everything (a data-parallel rank's shards of a small model)
+    a fixed cap leaves those ends a large part of the step and the ring most of the pinned
+    budget; below ``least`` the calling thread's work per bucket would outweigh that.
+    """
+    if staged_bytes <= 0:
+        return most
+    share = max(staged_bytes // buckets, 1)
+    return max(min(1 << (share.bit_length() - 1), most), min(least, most))
+
+
 def slot_sizes(bucket_nbytes: List[int], slots: int) -> List[int]:
     """Bytes of each ring slot when the k-th bucket stages in slot ``k % slots``: the largest
     of its own buckets (one large embedding then takes one large slot, not all of them)."""
