@@ -172,7 +172,7 @@ def timed(fn, device, repeats, warmup=1, before=None):
         ``{"median", "min", "max"}`` of ``fn``, ``"outside"``, the median of ``before``, and
         ``"gc"``, the seconds the collector ran inside the timed calls of ``fn``, in all.
     """
-    outside = []
+    outside, times = [], []
     with CollectorPauses() as pauses:
         for index in range(warmup + repeats):
             if before is not None:
@@ -185,7 +185,6 @@ def timed(fn, device, repeats, warmup=1, before=None):
                 fn()
                 continue
             if index == warmup:
-                times = []
                 gc.collect()
             sync(device)
             pauses.timing = True
@@ -471,6 +470,14 @@ def run_worker(args, name, fraction, overlap):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def positive_int(text: str) -> int:
+    """An argument that must be a whole number of at least one."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not at least 1")
+    return value
+
+
 def parse_args(argv=None):
     """The command line; every option says what it does and shows its default."""
     parser = argparse.ArgumentParser(
@@ -501,7 +508,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--fractions", type=float, nargs="+", default=[0.5, 1.0], help="offload fractions"
     )
-    parser.add_argument("--repeats", type=int, default=7, help="timed steps per process")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=7, help="timed steps per process (at least one)"
+    )
     parser.add_argument(
         "--rounds",
         type=int,

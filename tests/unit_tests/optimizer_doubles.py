@@ -31,7 +31,7 @@ def counting_id_audits():
     Each ``id`` raises an audit event, and where an audit hook is installed (filelock, which
     torch and megatron import, installs one) every such event runs that hook in Python. The
     hook installed here stays for the process (hooks cannot be removed) and counts only inside
-    such a block.
+    such a block. Blocks do not nest: an inner one restarts the count and ends the outer one's.
     """
     if not _ID_AUDITS["installed"]:
         sys.addaudithook(_count_id_audits)

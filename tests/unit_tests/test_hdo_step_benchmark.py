@@ -3,6 +3,7 @@
 
 import gc
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -54,20 +55,34 @@ def test_the_fp32_contended_bound_takes_adam_beside_the_fp32_copies():
     assert cells["/fp32 contended"] == "1.20" and cells["adam|fp32 s"] == "0.125"
 
 
-def test_collector_pauses_inside_timed_steps_are_counted_apart_and_warm_up_ones_are_not():
-    """A collection that lands in a timed call is reported as ``gc``; the collections of the
-    warm-up and the full one after it are not; a call that triggers none reports none."""
+def test_collector_pauses_inside_timed_steps_are_counted_apart_and_warm_up_ones_are_not(
+    monkeypatch,
+):
+    """A collection that lands in a timed call is reported as ``gc``; those of the warm-up
+    calls and of ``before`` are not; one full collection runs between the warm-up and the
+    first timed call."""
     calls = []
 
-    def collecting():
+    def collecting_when_timed():
         calls.append(None)
-        if len(calls) > 1:  # warm-up call first, then the timed ones
+        if len(calls) > 1:  # one warm-up call, then the timed ones
             gc.collect()
 
-    timed = benchmark.timed(collecting, "cpu", repeats=3, warmup=1)
-    assert timed["gc"] > 0 and len(calls) == 4
-    quiet = benchmark.timed(lambda: None, "cpu", repeats=3, warmup=1, before=gc.collect)
-    assert quiet["gc"] == 0.0  # collections in ``before`` and after the warm-up are outside
+    assert benchmark.timed(collecting_when_timed, "cpu", repeats=3, warmup=1)["gc"] > 0
+    warm = []
+
+    def collecting_when_warm():
+        warm.append(None)
+        if len(warm) <= 2:  # the two warm-up calls
+            gc.collect()
+
+    quiet = benchmark.timed(collecting_when_warm, "cpu", repeats=3, warmup=2, before=gc.collect)
+    assert quiet["gc"] == 0.0
+    order = []
+    spy = types.SimpleNamespace(collect=lambda: order.append("collect"), callbacks=gc.callbacks)
+    monkeypatch.setattr(benchmark, "gc", spy)
+    benchmark.timed(lambda: order.append("call"), "cpu", repeats=2, warmup=2)
+    assert order == ["call", "call", "collect", "call", "call"]
     result = {"step": 0.15, "step_min": 0.14, "step_max": 0.16, "outside": 0.0, "gc": 0.25}
     result.update(pinned_held=0, pinned_live=0)
     floor = {"adam": 0.10, "d2h": 0.02, "h2d": 0.03, "adam_beside_copies": 0.125}

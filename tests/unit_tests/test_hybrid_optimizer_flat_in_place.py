@@ -249,6 +249,9 @@ def test_a_step_over_runs_finds_the_state_without_an_id_per_tensor(monkeypatch, 
     whose audit event runs every installed audit hook in Python (filelock installs one), which
     on thousands of shards in place costs milliseconds a step. The in-place step's lookups are
     per run (the optimizer's own step over them), not per tensor. Still exact."""
+    with counting_id_audits() as calibration:
+        hash(torch.zeros(1))
+    assert calibration["count"] == 1  # a tensor's hash is one ``id``: what is counted below
     walked = count_walked(monkeypatch, in_place_cls)
     ours, theirs = flat_and_reference(in_place_cls)
     generator = torch.Generator().manual_seed(11)
@@ -267,7 +270,8 @@ def test_a_step_over_runs_finds_the_state_without_an_id_per_tensor(monkeypatch, 
     give_grads(generator, params, ref_params)
     walked.clear()
     hdo.step()
-    assert walked == [2] and counted[0] < in_place, (walked, counted, in_place)
+    # Two per run: the stand-in's state for the run and the optimizer's own lookup of it.
+    assert walked == [2] and counted[0] <= 2 * walked[0] < in_place, (walked, counted, in_place)
     reference.step()
     assert_same(hdo, reference, params, ref_params)
 

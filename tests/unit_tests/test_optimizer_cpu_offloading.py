@@ -695,7 +695,7 @@ def test_sized_host_buckets_cut_a_small_offload_finer_and_step_exactly(monkeypat
         pytest.skip("the fork's buckets")
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 16)
     monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", 1 << 12)
-    numels = [1000, 24, 2048, 777] * 10  # 153 KiB as staged in fp32: an eighth rounds to 16
+    numels = [1000, 24, 2048, 777] * 10  # 150 KiB as staged in fp32: an eighth rounds to 16
     params = flat_params(numels, torch.bfloat16, seed=5)
     expected = [torch.nn.Parameter(p.detach().clone()) for p in params]
     optimizer = make_optimizer(params, 1.0, fused=True)
