@@ -476,43 +476,39 @@ def test_first_step_holds_each_moment_once_on_the_gpu():
     assert torch.cuda.max_memory_allocated() - before <= moments + widened + slack
 
 
-def test_moments_a_client_made_share_memory_stay_shared_and_step_exactly(in_place_cls):
-    """A client that makes one in-place moment a view of another's: TE steps the shared memory
-    as shared, so the HDO leaves such moments to TE's walk rather than parting them into
-    blocks, and every step equals TE stepping the tensors one by one."""
+def _shared_within_a_group(optimizer):
+    """The largest and the smallest tensor of the first group, and the moment they share."""
+    return (*larger_then_smaller(optimizer), "exp_avg")
+
+
+def _shared_across_groups(optimizer):
+    """The first group's largest tensor, the second group's smallest, and the moment they
+    share."""
+    second = min(optimizer.gpu_optimizer.param_groups[1]["params"], key=torch.numel)
+    return larger_then_smaller(optimizer)[0], second, "exp_avg_sq"
+
+
+@pytest.mark.parametrize("pair", [_shared_within_a_group, _shared_across_groups])
+def test_moments_a_client_made_share_memory_stay_shared_and_step_exactly(in_place_cls, pair):
+    """A client that makes one in-place moment a view of another's (in one group or across
+    two): TE steps the shared memory as shared, so the HDO leaves such moments to TE's walk
+    rather than parting them into blocks, and every step equals TE stepping the tensors one by
+    one."""
     (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
     generator = torch.Generator().manual_seed(9)
     for step in range(4):
         give_grads(generator, params, ref_params)
         if step == 2:
             for optimizer in (hdo, reference):
-                first, second = larger_then_smaller(optimizer)
+                first, second, key = pair(optimizer)
                 state = optimizer.gpu_optimizer.state
-                state[second]["exp_avg"] = state[first]["exp_avg"].view(-1)[: second.numel()]
+                state[second][key] = state[first][key].view(-1)[: second.numel()]
         hdo.step()
         reference.step()
         assert_same(hdo, reference, params, ref_params)
-    first, second = larger_then_smaller(hdo)
+    first, second, key = pair(hdo)
     state = hdo.gpu_optimizer.state
-    assert state[second]["exp_avg"].data_ptr() == state[first]["exp_avg"].data_ptr()
-
-
-def test_moments_shared_across_groups_stay_shared_and_step_exactly(in_place_cls):
-    """As above, with the moment shared between a tensor of the first group and one of the
-    second: the HDO still leaves them to TE's walk."""
-    (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
-    generator = torch.Generator().manual_seed(10)
-    for step in range(4):
-        give_grads(generator, params, ref_params)
-        if step == 2:
-            for optimizer in (hdo, reference):
-                first = larger_then_smaller(optimizer)[0]
-                second = min(optimizer.gpu_optimizer.param_groups[1]["params"], key=torch.numel)
-                state = optimizer.gpu_optimizer.state
-                state[second]["exp_avg_sq"] = state[first]["exp_avg_sq"].view(-1)[: second.numel()]
-        hdo.step()
-        reference.step()
-        assert_same(hdo, reference, params, ref_params)
+    assert state[second][key].data_ptr() == state[first][key].data_ptr()
 
 
 def larger_then_smaller(hdo):

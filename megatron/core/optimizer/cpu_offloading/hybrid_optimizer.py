@@ -47,6 +47,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
+    _MOMENTS,
     PLAIN_TENSORS,
     FlatInPlaceStep,
     steps_flat,
@@ -222,8 +223,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
     host_part_bytes = 0
 
-    # Size the host buckets to the offloaded bytes (at least eight buckets, between 16 MiB and
-    # _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES.
+    # Cap the host buckets at an eighth of the offloaded bytes (a power of two, between 16 MiB
+    # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES.
     size_host_buckets = False
 
     def __init__(
@@ -1250,7 +1251,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         coming = []
         for param, values in planned.items():
             inner = self.param_to_inner_param[param]
-            moments = [values.get(key) for key in ("exp_avg", "exp_avg_sq")]
+            moments = [values.get(key) for key in _MOMENTS]
             if all(isinstance(m, torch.Tensor) and m.device != inner.device for m in moments):
                 coming.append(inner)
         return coming

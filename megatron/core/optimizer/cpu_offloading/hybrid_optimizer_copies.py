@@ -118,8 +118,9 @@ def plan_pinned_host_memory(
 def sized_bucket_bytes(
     staged_bytes: int, most: int, buckets: int = 8, least: int = 16 << 20
 ) -> int:
-    """A bucket cap for ``staged_bytes`` of offloaded copies: the largest power of two that cuts
-    them into at least ``buckets`` buckets, within ``least`` and ``most``.
+    """A bucket cap for ``staged_bytes`` of offloaded copies: the largest power of two at most
+    ``staged_bytes / buckets``, within ``least`` and ``most`` (copies larger than the cap still
+    make a bucket each).
 
     The pipeline's ends (the first download, the last upload) and each ring slot are a bucket
     long, so where few buckets hold everything (a data-parallel rank's shards of a small model)
