@@ -3,13 +3,12 @@
 """Where the HDO's pinned budget goes for the step benchmark's cases, without a GPU.
 
 For each case and offload fraction of ``hdo_step.py``, with ``param_update_in_fp32`` (fp32 host
-copies) and the overlap on: the host buckets as the HDO builds them
-(``build_cpu_optimizer_list`` over meta tensors, so nothing is allocated), the ring of gradient
-slots and the host copies pinned within upstream's pinned bytes as ``plan_pinned_host_memory``
-chooses them, and what stays pageable, with copies moved whole and in parts of
-``--part-mib`` (as the HDO parts them under torch's fused AdamW). Prints one line per case,
-fraction and way (also whole copies in buckets sized to the offloaded bytes, the HDO's
-``size_host_buckets``); no timing.
+copies) and the overlap on: the host buckets as the HDO builds them (``build_cpu_optimizer_list``
+over meta tensors, so nothing is allocated), the ring of gradient slots and the host copies pinned
+within upstream's pinned bytes as ``plan_pinned_host_memory`` chooses them (the buckets in the order
+the HDO steps them), and what stays pageable, with copies moved whole and in parts of ``--part-mib``
+(as the HDO parts them under torch's fused AdamW). Prints one line per case, fraction and way (also
+whole copies in buckets sized to the offloaded bytes, the HDO's ``size_host_buckets``); no timing.
 """
 
 import argparse
@@ -55,14 +54,19 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
     optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
         torch.optim.AdamW, [{"params": copies}], cap
     )
-    staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
+    ends, counts = [], []  # staged bytes and copies of each sub-optimizer
     for optimizer in optimizers:
         hosts = optimizer.param_groups[0]["params"]
         end = 0
         for host in hosts:
             end = hdo._staged_offset(end) + hdo._nbytes(host)
+        ends.append(end)
+        counts.append(len(hosts))
+    staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
+    for index in hdo.pipeline_order(ends, hdo._HOST_BUCKET_BYTES):  # as the HDO steps them
+        end = ends[index]
         units.append(end)
-        if part_bytes and len(hosts) == 1 and end > part_bytes:
+        if part_bytes and counts[index] == 1 and end > part_bytes:
             staged += [min(part_bytes, end - start) for start in range(0, end, part_bytes)]
         else:
             staged.append(end)

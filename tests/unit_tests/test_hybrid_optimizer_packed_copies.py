@@ -209,3 +209,20 @@ def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
     pinned = [b.master.is_pinned() for b in optimizer._buckets if b.master is not None]
     assert pinned == sorted(pinned, reverse=True)
     del params, optimizer
+
+
+@pytest.mark.parametrize(
+    "nbytes, expected",
+    [
+        # An embedding last: between the others, once half of their bytes are before it.
+        ([10, 10, 100, 10, 10, 200], [0, 1, 2, 5, 3, 4]),
+        # An output layer first and an embedding last (untied): both go in the middle.
+        ([300, 20, 20, 10, 10, 200], [1, 2, 0, 5, 3, 4]),
+        ([10, 30, 10, 200], [0, 1, 3, 2]),
+        ([10, 20, 30], [0, 1, 2]),  # nothing too large: as given
+        ([100, 200], [0, 1]),  # nothing else
+        ([0, 0, 200, 5], [0, 1, 3, 2]),  # buckets without gradients weigh nothing
+    ],
+)
+def test_the_pipeline_steps_copies_too_large_for_a_bucket_between_the_others(nbytes, expected):
+    assert hybrid_optimizer.pipeline_order(nbytes, 50) == expected

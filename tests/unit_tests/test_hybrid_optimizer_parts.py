@@ -207,3 +207,35 @@ def test_parts_leave_more_copies_pinned_within_upstreams_pinned_memory(monkeypat
         pinned_copies[part_bytes] = sum(h.is_pinned() for _, h in copies)
         del params, optimizer
     assert pinned_copies == {0: 6, PART_BYTES: 7}
+
+
+@pytest.mark.parametrize("part_bytes", [0, PART_BYTES], ids=["whole", "parts"])
+def test_a_copy_too_large_for_a_bucket_is_stepped_between_the_others(part_bytes, monkeypatch):
+    """Laid out as Megatron's buffers hand them over (the embedding last), the largest copy
+    would be stepped last and its whole upload waited for; it goes between the other buckets,
+    after half of their bytes (its parts in order), and the steps stay those of the given
+    order bit for bit."""
+    # Buckets of 40 KB (two do not fit in one) and a last copy above 64 KiB.
+    sizes = [300, 301, 10_000, 16, 10_000, 10_000, 77, 10_000, 90_000]
+    built = make(part_bytes, monkeypatch, sizes=sizes)
+    params, optimizer = built
+    train(built, 3, seed=5)
+    large = optimizer.param_to_inner_param[params[-1]]
+    staged = [bucket for bucket in optimizer._buckets if bucket.grads]
+    holding = [i for i, bucket in enumerate(staged) if any(h is large for h in bucket.hosts)]
+    assert holding == list(range(holding[0], holding[-1] + 1))  # contiguous
+    assert 0 < holding[0] and holding[-1] < len(staged) - 1
+    before = sum(bucket.nbytes for bucket in staged[: holding[0]])
+    others = sum(bucket.nbytes for i, bucket in enumerate(staged) if i not in holding)
+    assert 2 * before >= others > 2 * (before - staged[holding[0] - 1].nbytes)
+    if part_bytes:
+        parts = [staged[i].part for i in holding]
+        assert len(parts) > 1 and parts == sorted(parts)
+
+    # The same steps in the sub-optimizers' own order.
+    monkeypatch.setattr(hybrid_optimizer, "pipeline_order", lambda nbytes, _: range(len(nbytes)))
+    given = make(part_bytes, monkeypatch, sizes=sizes)
+    train(given, 3, seed=5)
+    last = [b for b in given[1]._buckets if b.grads][-1]
+    assert any(h is given[1].param_to_inner_param[given[0][-1]] for h in last.hosts)
+    assert_same(built, given)

@@ -41,6 +41,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     _widened,
     pack_host_copies,
     pinned_block_bytes,
+    pipeline_order,
     plan_pinned_host_memory,
     sized_bucket_bytes,
     slot_sizes,
@@ -506,21 +507,23 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _plan_grad_ring(self):
         """Lay out where each host bucket stages its gradients; allocate nothing yet.
 
-        The k-th bucket with offloaded parameters packs its gradients into ring slot
-        ``k % slots``, and the download of bucket ``k + slots`` starts once bucket ``k`` has
-        been stepped; a slot holds the largest of its buckets. With overlap the ring has up to
-        ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
-        each download waits for the previous bucket's step. What is pinned (the slots, then
-        the host copies in order) stays within what upstream keeps pinned for the same
+        Buckets are stepped in the sub-optimizers' order, except that those of a parameter larger
+        than ``_HOST_BUCKET_BYTES`` go in the middle (:func:`pipeline_order`), where its download
+        and upload run beside other buckets' host steps. The k-th bucket with offloaded parameters
+        packs its gradients into ring slot ``k % slots``, and the download of bucket ``k + slots``
+        starts once bucket ``k`` has been stepped; a slot holds the largest of its buckets. With
+        overlap the ring has up to ``_RING_SLOTS`` slots, so downloads run ahead of the host steps;
+        without it one, so each download waits for the previous bucket's step. What is pinned (the
+        slots, then the host copies in order) stays within what upstream keeps pinned for the same
         parameters, both counted in the power-of-two blocks the host allocator holds (see
-        :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not as a
-        whole. The copies left pageable are the last to upload, each through its bucket's
-        slot (see ``_upload``).
+        :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not as a whole. The
+        copies left pageable are the last to upload, each through its bucket's slot (see
+        ``_upload``).
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._buckets: List[_Bucket] = []
         self._device_staging: List[torch.Tensor] = []
-        staged = []
+        units, unit_bytes = [], []  # each sub-optimizer's buckets, and the bytes they stage
         for optimizer in self.cpu_optimizers:
             grads, end = [], 0
             for host in _param_generator(optimizer):
@@ -529,8 +532,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     offset = _staged_offset(end)
                     grads.append((host, param, offset))
                     end = offset + _nbytes(host)
-            for bucket in self._buckets_of(optimizer, grads, end):
-                if grads:
+            units.append(self._buckets_of(optimizer, grads, end))
+            unit_bytes.append(end)
+        staged = []
+        for unit in pipeline_order(unit_bytes, _HOST_BUCKET_BYTES):
+            for bucket in units[unit]:
+                if bucket.grads:
                     staged.append(len(self._buckets))
                 self._buckets.append(bucket)
 

@@ -133,6 +133,35 @@ def sized_bucket_bytes(
     return max(min(1 << (share.bit_length() - 1), most), min(least, most))
 
 
+def pipeline_order(unit_nbytes: List[int], large: int) -> List[int]:
+    """The order in which the pipeline steps its units (one host sub-optimizer's buckets each):
+    as given, but with the units of more than ``large`` bytes (a parameter too large to share a
+    bucket: an embedding, an output layer) moved between the others, after half of their bytes.
+
+    Each download is hidden behind the host steps before it and each upload behind those after
+    it, except the first download and the last upload, which the step waits for. Megatron's
+    buffers lay a model out back to front, so its embedding comes last, and stepped last its
+    whole upload would be waited for.
+
+    Args:
+        unit_nbytes: staged gradient bytes of each unit, in the sub-optimizers' order.
+        large: the bytes above which a unit moves (the largest bucket cap: a unit above it
+            holds one parameter).
+
+    Returns:
+        Indices into ``unit_nbytes``, in stepping order.
+    """
+    moved = [i for i, nbytes in enumerate(unit_nbytes) if nbytes > large]
+    others = [i for i, nbytes in enumerate(unit_nbytes) if nbytes <= large]
+    half, before, middle = sum(unit_nbytes[i] for i in others) / 2, 0, len(others)
+    for position, index in enumerate(others):
+        if before >= half:
+            middle = position
+            break
+        before += unit_nbytes[index]
+    return others[:middle] + moved + others[middle:]
+
+
 def slot_sizes(bucket_nbytes: List[int], slots: int) -> List[int]:
     """Bytes of each ring slot when the k-th bucket stages in slot ``k % slots``: the largest
     of its own buckets (one large embedding then takes one large slot, not all of them)."""
