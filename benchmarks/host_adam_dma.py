@@ -71,6 +71,7 @@ class HostAdam:
         )
 
     def step_all(self):
+        """One AdamW step of every tensor, each with its own counter."""
         for index in range(len(self.params)):
             self.steps[index] += 1
             self.step_one(index)
@@ -138,6 +139,7 @@ def measure(args) -> Dict[str, float]:
 
 
 def parse_args(argv: List[str] = None):
+    """The command line (``--help`` lists it)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -160,6 +162,7 @@ def parse_args(argv: List[str] = None):
 
 
 def main(argv: List[str] = None) -> Dict[str, float]:
+    """Measure, print one line per measurement, and return the figures (ms by label)."""
     args = parse_args(argv)
     print(f"host threads {torch.get_num_threads()}; CUDA {torch.cuda.is_available()}")
     results = measure(args)
