@@ -54,22 +54,22 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
     optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
         torch.optim.AdamW, [{"params": copies}], cap
     )
-    ends, counts = [], []  # staged bytes and copies of each sub-optimizer
+    buckets = []  # the staged bytes of each sub-optimizer's buckets (or parts)
     for optimizer in optimizers:
         hosts = optimizer.param_groups[0]["params"]
         end = 0
         for host in hosts:
             end = hdo._staged_offset(end) + hdo._nbytes(host)
-        ends.append(end)
-        counts.append(len(hosts))
-    staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
-    for index in hdo.pipeline_order(ends, hdo._HOST_BUCKET_BYTES):  # as the HDO steps them
-        end = ends[index]
-        units.append(end)
-        if part_bytes and counts[index] == 1 and end > part_bytes:
-            staged += [min(part_bytes, end - start) for start in range(0, end, part_bytes)]
+        if part_bytes and len(hosts) == 1 and end > part_bytes:
+            buckets.append([min(part_bytes, end - start) for start in range(0, end, part_bytes)])
         else:
-            staged.append(end)
+            buckets.append([end])
+    staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
+    ends = [sum(parts) for parts in buckets]
+    order = hdo.pipeline_order(ends, hdo._HOST_BUCKET_BYTES, [len(parts) for parts in buckets])
+    for index in order:  # as the HDO steps them
+        units.append(ends[index])
+        staged += buckets[index]
     budget = hdo.upstream_pinned_bytes(list(zip(copies, params)), True, held=True)
     slots, pinned = hdo.plan_pinned_host_memory(
         staged, units, budget, hdo._RING_SLOTS, True, hdo.pinned_block_bytes

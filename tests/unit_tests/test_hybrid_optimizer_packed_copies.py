@@ -211,18 +211,29 @@ def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
     del params, optimizer
 
 
+TWELVE = list(range(1, 13))
+
+
 @pytest.mark.parametrize(
-    "nbytes, expected",
+    "nbytes, buckets, expected",
     [
-        # An embedding last: between the others, once half of their bytes are before it.
-        ([10, 10, 100, 10, 10, 200], [0, 1, 2, 5, 3, 4]),
-        # An output layer first and an embedding last (untied): both go in the middle.
-        ([300, 20, 20, 10, 10, 200], [1, 2, 0, 5, 3, 4]),
-        ([10, 30, 10, 200], [0, 1, 3, 2]),
-        ([10, 20, 30], [0, 1, 2]),  # nothing too large: as given
-        ([100, 200], [0, 1]),  # nothing else
-        ([0, 0, 200, 5], [0, 1, 3, 2]),  # buckets without gradients weigh nothing
+        # An embedding last: between the others, where half of their bytes are before it.
+        ([10, 10, 100, 10, 10, 200], None, [0, 1, 2, 5, 3, 4]),
+        ([10, 30, 10, 200], None, [0, 3, 1, 2]),
+        # Never last (nor first) while another unit can take that place.
+        ([10, 30, 200], None, [0, 2, 1]),
+        ([200, 10, 30], None, [1, 0, 2]),
+        # An output layer first and an embedding last (untied): both between the others, six
+        # buckets apart where the others allow (one ring slot for both), else side by side.
+        ([300] + [10] * 12 + [300], None, TWELVE[:6] + [0] + TWELVE[6:11] + [13, 12]),
+        ([300] + [10] * 12 + [300], [1] + [2] * 12 + [1], TWELVE[:6] + [0, 13] + TWELVE[6:]),
+        ([300, 20, 20, 10, 10, 200], None, [1, 0, 5, 2, 3, 4]),
+        ([10, 20, 30], None, [0, 1, 2]),  # nothing too large: as given
+        ([100, 200], None, [0, 1]),  # nothing else
+        ([0, 0, 200, 5], None, [2, 0, 1, 3]),  # units without gradients weigh nothing
     ],
 )
-def test_the_pipeline_steps_copies_too_large_for_a_bucket_between_the_others(nbytes, expected):
-    assert hybrid_optimizer.pipeline_order(nbytes, 50) == expected
+def test_the_pipeline_steps_copies_too_large_for_a_bucket_between_the_others(
+    nbytes, buckets, expected
+):
+    assert hybrid_optimizer.pipeline_order(nbytes, 50, buckets) == expected

@@ -226,16 +226,33 @@ def test_a_copy_too_large_for_a_bucket_is_stepped_between_the_others(part_bytes,
     assert holding == list(range(holding[0], holding[-1] + 1))  # contiguous
     assert 0 < holding[0] and holding[-1] < len(staged) - 1
     before = sum(bucket.nbytes for bucket in staged[: holding[0]])
-    others = sum(bucket.nbytes for i, bucket in enumerate(staged) if i not in holding)
-    assert 2 * before >= others > 2 * (before - staged[holding[0] - 1].nbytes)
+    others = [bucket.nbytes for i, bucket in enumerate(staged) if i not in holding]
+    assert abs(2 * before - sum(others)) <= max(others)  # half of the others before it
     if part_bytes:
         parts = [staged[i].part for i in holding]
         assert len(parts) > 1 and parts == sorted(parts)
 
     # The same steps in the sub-optimizers' own order.
-    monkeypatch.setattr(hybrid_optimizer, "pipeline_order", lambda nbytes, _: range(len(nbytes)))
+    monkeypatch.setattr(hybrid_optimizer, "pipeline_order", lambda nbytes, *_: range(len(nbytes)))
     given = make(part_bytes, monkeypatch, sizes=sizes)
     train(given, 3, seed=5)
     last = [b for b in given[1]._buckets if b.grads][-1]
     assert any(h is given[1].param_to_inner_param[given[0][-1]] for h in last.hosts)
     assert_same(built, given)
+
+
+def test_two_copies_too_large_for_a_bucket_share_a_ring_slot(monkeypatch):
+    """An untied output layer (first) and embedding (last) both go between the others, six
+    staged buckets apart, so that they stage in one slot with three slots or two: side by side
+    they would make the ring hold two slots of their size."""
+    sizes = [90_000] + [10_000] * 12 + [90_000]
+    params, optimizer = make(0, monkeypatch, sizes=sizes)
+    train((params, optimizer), 1, seed=3)
+    staged = [bucket for bucket in optimizer._buckets if bucket.grads]
+    inner = [optimizer.param_to_inner_param[params[i]] for i in (0, -1)]
+    places = [i for i, b in enumerate(staged) if any(h is c for h in b.hosts for c in inner)]
+    assert len(places) == 2 and places[1] - places[0] == 6
+    assert 0 < places[0] and places[1] < len(staged) - 1
+    assert staged[places[0]].slot == staged[places[1]].slot
+    slots = optimizer._ring_plan.slots
+    assert sorted(optimizer._ring_plan.slot_bytes)[:-1] == [40_000] * (slots - 1)

@@ -507,17 +507,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _plan_grad_ring(self):
         """Lay out where each host bucket stages its gradients; allocate nothing yet.
 
-        Buckets are stepped in the sub-optimizers' order, except that those of a parameter larger
-        than ``_HOST_BUCKET_BYTES`` go in the middle (:func:`pipeline_order`), where its download
-        and upload run beside other buckets' host steps. The k-th bucket with offloaded parameters
-        packs its gradients into ring slot ``k % slots``, and the download of bucket ``k + slots``
-        starts once bucket ``k`` has been stepped; a slot holds the largest of its buckets. With
-        overlap the ring has up to ``_RING_SLOTS`` slots, so downloads run ahead of the host steps;
-        without it one, so each download waits for the previous bucket's step. What is pinned (the
-        slots, then the host copies in order) stays within what upstream keeps pinned for the same
-        parameters, both counted in the power-of-two blocks the host allocator holds (see
-        :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not as a whole. The
-        copies left pageable are the last to upload, each through its bucket's slot (see
+        Buckets are stepped in the sub-optimizers' order, except that those of a host copy whose
+        staged gradients exceed ``_HOST_BUCKET_BYTES`` go between the others
+        (:func:`pipeline_order`), where its download and upload run beside other buckets' host
+        steps. The k-th bucket with offloaded parameters packs its gradients into ring slot
+        ``k % slots``, and the download of bucket ``k + slots`` starts once bucket ``k`` has
+        been stepped; a slot holds the largest of its buckets. With overlap the ring has up to
+        ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
+        each download waits for the previous bucket's step. What is pinned (the slots, then
+        each host copy in upload order that still fits) stays within what upstream keeps pinned
+        for the same parameters, both counted in the power-of-two blocks the host allocator
+        holds (see :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not
+        as a whole. The copies left pageable go up through their bucket's slot (see
         ``_upload``).
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
@@ -535,7 +536,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             units.append(self._buckets_of(optimizer, grads, end))
             unit_bytes.append(end)
         staged = []
-        for unit in pipeline_order(unit_bytes, _HOST_BUCKET_BYTES):
+        counts = [len(unit) if unit[0].grads else 0 for unit in units]
+        for unit in pipeline_order(unit_bytes, _HOST_BUCKET_BYTES, counts):
             for bucket in units[unit]:
                 if bucket.grads:
                     staged.append(len(self._buckets))

@@ -70,9 +70,8 @@ def plan_pinned_host_memory(
     as large as the largest bucket staged in it (:func:`slot_sizes`), fewer if they would
     exceed ``budget``, but at least one; and down to two while one slot fewer lets more host
     copies be pinned. A ring never holds more than all buckets together, since each slot is
-    one of them. Host copies are then pinned in order while the total stays
-    within ``budget``, so those left pageable are the last to upload (each through its
-    bucket's slot).
+    one of them. Host copies are then pinned in upload order, each one that still fits within
+    ``budget``; those left pageable go up through their bucket's slot.
 
     Args:
         bucket_nbytes: bytes of each bucket's staged gradients (buckets with any).
@@ -133,33 +132,62 @@ def sized_bucket_bytes(
     return max(min(1 << (share.bit_length() - 1), most), min(least, most))
 
 
-def pipeline_order(unit_nbytes: List[int], large: int) -> List[int]:
+# Staged buckets this many places apart share a ring slot for every ring size (1, 2 or 3).
+_SLOT_PERIOD = 6
+
+
+def pipeline_order(
+    unit_nbytes: List[int], large: int, unit_buckets: Optional[List[int]] = None
+) -> List[int]:
     """The order in which the pipeline steps its units (one host sub-optimizer's buckets each):
     as given, but with the units of more than ``large`` bytes (a parameter too large to share a
-    bucket: an embedding, an output layer) moved between the others, after half of their bytes.
+    bucket: an embedding, an output layer) moved between the others, where the bytes before
+    them come closest to half of the others' (with a staged one after them).
 
-    Each download is hidden behind the host steps before it and each upload behind those after
-    it, except the first download and the last upload, which the step waits for. Megatron's
-    buffers lay a model out back to front, so its embedding comes last, and stepped last its
-    whole upload would be waited for.
+    The step waits for the first download and the last upload; every other copy runs beside
+    host steps. Megatron's buffers hold a model back to front, so its embedding comes last and,
+    stepped last, its whole upload would be waited for (an untied output layer comes first, its
+    download waited for). Two moved units are placed ``_SLOT_PERIOD`` staged buckets apart
+    where the others allow, so that they share one ring slot (a slot is as large as its largest
+    bucket) whatever the number of slots.
 
     Args:
         unit_nbytes: staged gradient bytes of each unit, in the sub-optimizers' order.
         large: the bytes above which a unit moves (the largest bucket cap: a unit above it
             holds one parameter).
+        unit_buckets: staged buckets of each unit (one each by default; a copy in parts has
+            several, a unit without offloaded copies none).
 
     Returns:
         Indices into ``unit_nbytes``, in stepping order.
     """
+    buckets = [1] * len(unit_nbytes) if unit_buckets is None else unit_buckets
     moved = [i for i, nbytes in enumerate(unit_nbytes) if nbytes > large]
     others = [i for i, nbytes in enumerate(unit_nbytes) if nbytes <= large]
-    half, before, middle = sum(unit_nbytes[i] for i in others) / 2, 0, len(others)
-    for position, index in enumerate(others):
-        if before >= half:
-            middle = position
+    if not moved or not others:
+        return list(range(len(unit_nbytes)))
+    total = sum(unit_nbytes[i] for i in others)
+    staged = [position for position, i in enumerate(others) if unit_nbytes[i]]
+    last = staged[-1] if staged else len(others)  # keep one staged unit after the moved ones
+    middle, before, gap = 0, 0, total
+    for position in range(last + 1):
+        if abs(2 * before - total) < gap:
+            middle, gap = position, abs(2 * before - total)
+        if position < len(others):
+            before += unit_nbytes[others[position]]
+    order, rest = others[:middle], others[middle:]
+    for count, unit in enumerate(moved):
+        order.append(unit)
+        if count + 1 == len(moved):
             break
-        before += unit_nbytes[index]
-    return others[:middle] + moved + others[middle:]
+        distance, between = buckets[unit], 0
+        while distance % _SLOT_PERIOD and between < len(rest):
+            distance += buckets[rest[between]]
+            between += 1
+        if distance % _SLOT_PERIOD == 0 and any(unit_nbytes[i] for i in rest[between:]):
+            order += rest[:between]  # else the next one follows at once
+            rest = rest[between:]
+    return order + rest
 
 
 def slot_sizes(bucket_nbytes: List[int], slots: int) -> List[int]:
