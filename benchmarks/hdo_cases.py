@@ -39,6 +39,16 @@ def moe_numels(hidden=1024, layers=24, experts=64, expert_ffn=160, vocab=50304) 
     return [vocab * hidden] + (attention + moe) * layers + [hidden, hidden]
 
 
+def llama_numels(hidden=1536, layers=24, ffn=4096, kv_heads=4, heads=16, vocab=32000):
+    """A Llama-style model: an embedding and an untied output layer; per layer an RMSNorm
+    weight, grouped-query attention (Q, K and V with ``kv_heads`` of ``heads``, the output
+    projection), an RMSNorm weight and a SwiGLU MLP (gate, up, down); a final RMSNorm; no
+    biases. 693M parameters with the defaults."""
+    kv = hidden * hidden * kv_heads // heads
+    per_layer = [hidden, hidden * hidden, kv, kv, hidden * hidden, hidden] + [hidden * ffn] * 3
+    return [vocab * hidden] + per_layer * layers + [hidden, vocab * hidden]
+
+
 def dense_numels(numel=536e6, tensors=32) -> List[int]:
     """``tensors`` equal tensors holding ``numel`` elements together."""
     return [int(numel) // tensors] * tensors
@@ -52,6 +62,7 @@ def stress_numels() -> List[int]:
 CASES: Dict[str, Callable[..., List[int]]] = {
     "dense32": dense_numels,
     "gpt": gpt_numels,
+    "llama": llama_numels,
     "moe": moe_numels,
     "stress": stress_numels,
 }

@@ -14,26 +14,26 @@ distributed optimizer hands them (fp32 ``decoupled_grad`` views of one buffer, t
 views of another), with the same values.
 
 Cases (``--case``) are the parameter lists a DistributedOptimizer hands its HDO (see
-``hdo_cases``): ``dense32`` (536M in 32 equal tensors, or ``--numel`` / ``--tensors``),
-``gpt`` (757M: embedding, 24 layers of QKV, projection, two MLP matrices, biases and
-LayerNorms), ``moe`` (657M in 3,291 tensors, 64 experts per layer) and ``stress`` (4,096 x
+``hdo_cases``): ``dense32`` (536M in 32 equal tensors, or ``--numel`` / ``--tensors``), ``gpt``
+(757M: embedding, 24 layers of QKV, projection, two MLP matrices, biases and LayerNorms),
+``llama`` (693M: untied embedding and output layer, grouped-query attention, SwiGLU, RMSNorm,
+no biases), ``moe`` (657M in 3,291 tensors, 64 experts per layer) and ``stress`` (4,096 x
 65,536). Besides the serial floor (the sum of the three) the overlap limit is reported: the
-longest of the three, which a pipeline that overlaps them approaches, and the contended
-limit: the same with host AdamW timed beside one D2H and one H2D of the same bytes, since the
-copies' DMA shares the host's memory bandwidth with AdamW (``adam|copies s``); and the same
-again with fp32 copies, the bytes the fork's pipeline moves (gradients widened and masters
-narrowed on the device: ``adam|fp32 s``, ``/fp32 contended``), apart from the issue's bounds,
-which count bf16. Torch's
-fused AdamW runs one parallel region per tensor, so the floor's AdamW carries a cost per
-shard; ``adam flat s`` is the same AdamW over the same elements as flat 64 MiB blocks (one
-tensor per fork HDO bucket), shown beside the limits as the headroom a step over whole
-buckets would have, not used in them. Only ``step()`` is timed; what the benchmark itself
-does between steps (handing out gradients) is timed apart and reported as ``outside s``, and
-the time Python's garbage collector ran inside timed steps as ``gc s`` (a full collection runs
-after the warm-up, so the state the first steps created is not collected in a timed one).
-Step times differ more between processes than between the steps of one (up to a fifth on the
-H200 host, for the same code), so ``--rounds`` starts several processes per implementation
-in turn and reports the median over them.
+longest of the three, which a pipeline that overlaps them approaches, and the contended limit:
+the same with host AdamW timed beside one D2H and one H2D of the same bytes, since the copies'
+DMA shares the host's memory bandwidth with AdamW (``adam|copies s``); and the same again with
+fp32 copies, the bytes the fork's pipeline moves (gradients widened and masters narrowed on the
+device: ``adam|fp32 s``, ``/fp32 contended``), apart from the issue's bounds, which count bf16.
+Torch's fused AdamW runs one parallel region per tensor, so the floor's AdamW carries a cost
+per shard; ``adam flat s`` is the same AdamW over the same elements as flat 64 MiB blocks (one
+tensor per fork HDO bucket), shown beside the limits as the headroom a step over whole buckets
+would have, not used in them. Only ``step()`` is timed; what the benchmark itself does between
+steps (handing out gradients) is timed apart and reported as ``outside s``, and the time
+Python's garbage collector ran inside timed steps as ``gc s`` (a full collection runs after the
+warm-up, so the state the first steps created is not collected in a timed one). Step times
+differ more between processes than between the steps of one (up to a fifth on the H200 host,
+for the same code), so ``--rounds`` starts several processes per implementation in turn and
+reports the median over them.
 
 Without CUDA there is nothing to offload to: the figures are then host-only and labelled so.
 """
@@ -96,6 +96,12 @@ FORK_VARIANTS = {
         "parts",
         {"host_part_bytes": 16 << 20},
         "host copies larger than 16 MiB stepped and moved in parts of 16 MiB (host_part_bytes)",
+    ),
+    "fork large parts": (
+        "large_parts",
+        {"host_part_bytes": 64 << 20},
+        "only host copies larger than a bucket (64 MiB: embeddings, output layers) stepped and "
+        "moved in parts of 64 MiB (host_part_bytes)",
     ),
     "fork sized": (
         "sized_buckets",
