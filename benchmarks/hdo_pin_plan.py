@@ -66,7 +66,8 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
             buckets.append([end])
     staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
     ends = [sum(parts) for parts in buckets]
-    order = hdo.pipeline_order(ends, hdo._HOST_BUCKET_BYTES, [len(parts) for parts in buckets])
+    counts = [len(parts) for parts in buckets]
+    order = hdo.pipeline_order(ends, hdo._HOST_BUCKET_BYTES, counts, hdo._RING_SLOTS)
     for index in order:  # as the HDO steps them
         units.append(ends[index])
         staged += buckets[index]

@@ -237,3 +237,11 @@ def test_the_pipeline_steps_copies_too_large_for_a_bucket_between_the_others(
     nbytes, buckets, expected
 ):
     assert hybrid_optimizer.pipeline_order(nbytes, 50, buckets) == expected
+
+
+def test_a_larger_ring_spaces_the_moved_copies_by_a_multiple_of_every_ring_size():
+    """With up to four slots, twelve staged buckets apart (a multiple of 1, 2, 3 and 4)."""
+    nbytes = [300] + [10] * 24 + [300]
+    order = hybrid_optimizer.pipeline_order(nbytes, 50, None, 4)
+    first, second = order.index(0), order.index(25)
+    assert second - first == 12 and 0 < first and second < len(order) - 1

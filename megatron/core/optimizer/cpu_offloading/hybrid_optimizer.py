@@ -537,7 +537,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             unit_bytes.append(end)
         staged = []
         counts = [len(unit) if unit[0].grads else 0 for unit in units]
-        for unit in pipeline_order(unit_bytes, _HOST_BUCKET_BYTES, counts):
+        for unit in pipeline_order(unit_bytes, _HOST_BUCKET_BYTES, counts, _RING_SLOTS):
             for bucket in units[unit]:
                 if bucket.grads:
                     staged.append(len(self._buckets))

@@ -10,6 +10,7 @@ into one flat block so that each direction is one copy.
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -132,12 +133,8 @@ def sized_bucket_bytes(
     return max(min(1 << (share.bit_length() - 1), most), min(least, most))
 
 
-# Staged buckets this many places apart share a ring slot for every ring size (1, 2 or 3).
-_SLOT_PERIOD = 6
-
-
 def pipeline_order(
-    unit_nbytes: List[int], large: int, unit_buckets: Optional[List[int]] = None
+    unit_nbytes: List[int], large: int, unit_buckets: Optional[List[int]] = None, max_slots: int = 3
 ) -> List[int]:
     """The order in which the pipeline steps its units (one host sub-optimizer's buckets each):
     as given, but with the units of more than ``large`` bytes (a parameter too large to share a
@@ -147,9 +144,9 @@ def pipeline_order(
     The step waits for the first download and the last upload; every other copy runs beside
     host steps. Megatron's buffers hold a model back to front, so its embedding comes last and,
     stepped last, its whole upload would be waited for (an untied output layer comes first, its
-    download waited for). Two moved units are placed ``_SLOT_PERIOD`` staged buckets apart
-    where the others allow, so that they share one ring slot (a slot is as large as its largest
-    bucket) whatever the number of slots.
+    download waited for). Two moved units are placed a multiple of every ring size up to
+    ``max_slots`` staged buckets apart (6 for three slots) where the others allow, so that they
+    share one ring slot (a slot is as large as its largest bucket) whatever the ring's size.
 
     Args:
         unit_nbytes: staged gradient bytes of each unit, in the sub-optimizers' order.
@@ -157,11 +154,13 @@ def pipeline_order(
             holds one parameter).
         unit_buckets: staged buckets of each unit (one each by default; a copy in parts has
             several, a unit without offloaded copies none).
+        max_slots: the most ring slots the plan may choose.
 
     Returns:
         Indices into ``unit_nbytes``, in stepping order.
     """
     buckets = [1] * len(unit_nbytes) if unit_buckets is None else unit_buckets
+    period = math.lcm(*range(1, max_slots + 1))
     moved = [i for i, nbytes in enumerate(unit_nbytes) if nbytes > large]
     others = [i for i, nbytes in enumerate(unit_nbytes) if nbytes <= large]
     if not moved or not others:
@@ -181,10 +180,10 @@ def pipeline_order(
         if count + 1 == len(moved):
             break
         distance, between = buckets[unit], 0
-        while distance % _SLOT_PERIOD and between < len(rest):
+        while distance % period and between < len(rest):
             distance += buckets[rest[between]]
             between += 1
-        if distance % _SLOT_PERIOD == 0 and any(unit_nbytes[i] for i in rest[between:]):
+        if distance % period == 0 and any(unit_nbytes[i] for i in rest[between:]):
             order += rest[:between]  # else the next one follows at once
             rest = rest[between:]
     return order + rest
