@@ -8,7 +8,8 @@ over meta tensors, so nothing is allocated), the ring of gradient slots and the 
 within upstream's pinned bytes as ``plan_pinned_host_memory`` chooses them (the buckets in the order
 the HDO steps them), and what stays pageable, with copies moved whole and in parts of ``--part-mib``
 (as the HDO parts them under torch's fused AdamW). Prints one line per case, fraction and way (also
-whole copies in buckets sized to the offloaded bytes, the HDO's ``size_host_buckets``); no timing.
+buckets sized to the offloaded bytes, the copies above that cap in parts of it: the HDO's
+``size_host_buckets``); no timing.
 """
 
 import argparse
@@ -39,7 +40,7 @@ def host_numels(numels: List[int], fraction: float) -> List[int]:
 def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = False):
     """The ring and pinning plan for these shards: MiB of ring, pinned and pageable copies, with
     the fixed bucket cap or, if ``sized``, the cap sized to the offloaded bytes (the HDO's
-    ``size_host_buckets``)."""
+    ``size_host_buckets``: copies above it then move in parts of it, unless ``part_bytes``)."""
     copies = [
         torch.empty(n, dtype=torch.float32, device="meta") for n in host_numels(numels, fraction)
     ]
@@ -51,6 +52,8 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
         cap = hdo.sized_bucket_bytes(
             sum(map(hdo._nbytes, copies)), cap, least=hdo._LEAST_SIZED_BUCKET_BYTES
         )
+        if not part_bytes and cap % hdo.PART_ALIGN_BYTES == 0:
+            part_bytes = cap  # the copies above the sized cap move in parts of it
     optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
         torch.optim.AdamW, [{"params": copies}], cap
     )

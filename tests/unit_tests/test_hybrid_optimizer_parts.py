@@ -256,3 +256,27 @@ def test_two_copies_too_large_for_a_bucket_share_a_ring_slot(monkeypatch):
     assert staged[places[0]].slot == staged[places[1]].slot
     slots = optimizer._ring_plan.slots
     assert sorted(optimizer._ring_plan.slot_bytes)[:-1] == [40_000] * (slots - 1)
+
+
+def test_sized_buckets_move_a_copy_larger_than_the_cap_in_parts_of_it(monkeypatch):
+    """With ``size_host_buckets`` (and no part size set) a copy larger than the sized cap (a
+    rank's shard of an embedding) moves in parts of the cap instead of making one bucket as
+    large as itself, and steps as the whole copy does, bit for bit. Scaled down: a 1 MiB fixed
+    cap, 64 KiB the least."""
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 20)
+    monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", PART_BYTES)
+    sizes = [1000, 24, 2048, 777] * 10 + [200_000]  # 950 KB staged: a cap of 64 KiB
+    sized = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
+    sized.size_host_buckets = True
+    built = build_hdo(sized, sizes, 1.0, seed=4, device=DEVICE)
+    whole = build_hdo(hybrid_optimizer.HybridDeviceOptimizer, sizes, 1.0, seed=4, device=DEVICE)
+    params, optimizer = built
+    optimizer._ensure_built()
+    large = optimizer.param_to_inner_param[params[-1]]
+    parts = [bucket for bucket in optimizer._buckets if bucket.part is not None]
+    assert len(parts) == -(-200_000 * 4 // PART_BYTES)
+    assert all(len(bucket.hosts) == 1 and bucket.hosts[0] is large for bucket in parts)
+    assert max(bucket.nbytes for bucket in optimizer._buckets if bucket.grads) == PART_BYTES
+    for pair in (built, whole):
+        train(pair, 3, seed=9)
+    assert_same(built, whole)

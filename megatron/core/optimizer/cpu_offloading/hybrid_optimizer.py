@@ -225,7 +225,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     host_part_bytes = 0
 
     # Cap the host buckets at an eighth of the offloaded bytes (a power of two, between 16 MiB
-    # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES.
+    # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES,
+    # and, unless host_part_bytes is set, move the copies larger than that cap in parts of it.
     size_host_buckets = False
 
     def __init__(
@@ -580,10 +581,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         self._ring: List[torch.Tensor] = []
 
+    def _part_bytes(self) -> int:
+        """The size of the parts a large host copy moves in: ``host_part_bytes``, or with
+        ``size_host_buckets`` and no part size set the sized bucket cap (where it is a multiple
+        of ``PART_ALIGN_BYTES``), so that no copy is a bucket larger than the others; 0: whole."""
+        if self.host_part_bytes or not self.size_host_buckets:
+            return self.host_part_bytes
+        cap = self._host_bucket_bytes()
+        return 0 if cap % PART_ALIGN_BYTES else cap
+
     def _buckets_of(self, optimizer, grads, nbytes: int) -> List[_Bucket]:
         """The pipeline's buckets for one host sub-optimizer: one, or one per part of its
-        only copy where that is larger than ``host_part_bytes`` and can be stepped in parts."""
-        part_bytes = self.host_part_bytes
+        only copy where that is larger than the part size (:meth:`_part_bytes`) and can be
+        stepped in parts."""
+        part_bytes = self._part_bytes()
         if len(grads) == 1 and part_bytes and nbytes > part_bytes:
             host, param, _ = grads[0]
             if param.is_contiguous() and can_part(optimizer, host):
