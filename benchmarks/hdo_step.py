@@ -106,8 +106,9 @@ FORK_VARIANTS = {
     "fork sized": (
         "sized_buckets",
         {"size_host_buckets": True},
-        "its host buckets sized to the offloaded bytes (size_host_buckets: at least eight, "
-        "16-64 MiB; smaller than 64 MiB only where less than 512 MiB is offloaded)",
+        "its host buckets sized to the offloaded bytes (size_host_buckets: an eighth of them, "
+        "16-64 MiB, below 64 MiB only where less than 512 MiB is offloaded; copies larger than "
+        "that cap in parts of it)",
     ),
 }
 
