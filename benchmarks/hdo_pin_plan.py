@@ -115,8 +115,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """Print the plan of every case and fraction: copies whole, in parts, and whole in buckets
-    sized to the offloaded bytes."""
+    """Print the plan of every case and fraction: copies whole, in parts, and in buckets sized
+    to the offloaded bytes (the copies above that cap in parts of it)."""
     args = parse_args(argv)
     print("MiB; cap = bucket cap; budget = upstream 0.19.2's pinned blocks; pinned = host copies'")
     ways = {

@@ -239,9 +239,17 @@ def test_the_pipeline_steps_copies_too_large_for_a_bucket_between_the_others(
     assert hybrid_optimizer.pipeline_order(nbytes, 50, buckets) == expected
 
 
-def test_a_larger_ring_spaces_the_moved_copies_by_a_multiple_of_every_ring_size():
-    """With up to four slots, twelve staged buckets apart (a multiple of 1, 2, 3 and 4)."""
-    nbytes = [300] + [10] * 24 + [300]
-    order = hybrid_optimizer.pipeline_order(nbytes, 50, None, 4)
-    first, second = order.index(0), order.index(25)
-    assert second - first == 12 and 0 < first and second < len(order) - 1
+@pytest.mark.parametrize("max_slots, apart", [(2, 2), (3, 6), (4, 12), (5, 60)])
+def test_a_larger_ring_spaces_the_moved_copies_by_a_multiple_of_every_ring_size(max_slots, apart):
+    """Two moved copies go the least common multiple of 1..max_slots staged buckets apart."""
+    nbytes = [300] + [10] * 2 * apart + [300]
+    order = hybrid_optimizer.pipeline_order(nbytes, 50, None, max_slots)
+    first, second = order.index(0), order.index(len(nbytes) - 1)
+    assert second - first == apart and 0 < first and second < len(order) - 1
+
+
+def test_a_copy_in_parts_is_not_moved():
+    """Parts are buckets no larger than the others: a run of them stays where it is."""
+    nbytes = [10, 10, 10, 10, 200]
+    assert hybrid_optimizer.pipeline_order(nbytes, 50, [1, 1, 1, 1, 4]) == [0, 1, 2, 3, 4]
+    assert hybrid_optimizer.pipeline_order(nbytes, 50, [1, 1, 1, 1, 1]) == [0, 1, 4, 2, 3]

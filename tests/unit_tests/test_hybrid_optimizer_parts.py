@@ -212,9 +212,10 @@ def test_parts_leave_more_copies_pinned_within_upstreams_pinned_memory(monkeypat
 @pytest.mark.parametrize("part_bytes", [0, PART_BYTES], ids=["whole", "parts"])
 def test_a_copy_too_large_for_a_bucket_is_stepped_between_the_others(part_bytes, monkeypatch):
     """Laid out as Megatron's buffers hand them over (the embedding last), the largest copy
-    would be stepped last and its whole upload waited for; it goes between the other buckets,
-    after half of their bytes (its parts in order), and the steps stay those of the given
-    order bit for bit."""
+    would be stepped last and its whole upload waited for; moved whole, it goes between the
+    other buckets, after half of their bytes. In parts it is a run of small buckets and stays
+    last (its parts in order). Either way the steps are those of the given order, bit for
+    bit."""
     # Buckets of 40 KB (two do not fit in one) and a last copy above 64 KiB.
     sizes = [300, 301, 10_000, 16, 10_000, 10_000, 77, 10_000, 90_000]
     built = make(part_bytes, monkeypatch, sizes=sizes)
@@ -224,13 +225,15 @@ def test_a_copy_too_large_for_a_bucket_is_stepped_between_the_others(part_bytes,
     staged = [bucket for bucket in optimizer._buckets if bucket.grads]
     holding = [i for i, bucket in enumerate(staged) if any(h is large for h in bucket.hosts)]
     assert holding == list(range(holding[0], holding[-1] + 1))  # contiguous
-    assert 0 < holding[0] and holding[-1] < len(staged) - 1
-    before = sum(bucket.nbytes for bucket in staged[: holding[0]])
-    others = [bucket.nbytes for i, bucket in enumerate(staged) if i not in holding]
-    assert abs(2 * before - sum(others)) <= max(others)  # half of the others before it
     if part_bytes:
         parts = [staged[i].part for i in holding]
         assert len(parts) > 1 and parts == sorted(parts)
+        assert holding[-1] == len(staged) - 1
+    else:
+        assert 0 < holding[0] and holding[-1] < len(staged) - 1
+        before = sum(bucket.nbytes for bucket in staged[: holding[0]])
+        others = [bucket.nbytes for i, bucket in enumerate(staged) if i not in holding]
+        assert abs(2 * before - sum(others)) <= max(others)  # half of the others before it
 
     # The same steps in the sub-optimizers' own order.
     monkeypatch.setattr(hybrid_optimizer, "pipeline_order", lambda nbytes, *_: range(len(nbytes)))
@@ -258,25 +261,29 @@ def test_two_copies_too_large_for_a_bucket_share_a_ring_slot(monkeypatch):
     assert sorted(optimizer._ring_plan.slot_bytes)[:-1] == [40_000] * (slots - 1)
 
 
-def test_sized_buckets_move_a_copy_larger_than_the_cap_in_parts_of_it(monkeypatch):
-    """With ``size_host_buckets`` (and no part size set) a copy larger than the sized cap (a
-    rank's shard of an embedding) moves in parts of the cap instead of making one bucket as
-    large as itself, and steps as the whole copy does, bit for bit. Scaled down: a 1 MiB fixed
-    cap, 64 KiB the least."""
+@pytest.mark.parametrize("set_part_bytes", [0, PART_BYTES], ids=["cap", "host_part_bytes"])
+def test_sized_buckets_move_a_copy_larger_than_the_cap_in_parts_of_it(set_part_bytes, monkeypatch):
+    """With ``size_host_buckets`` a copy larger than the sized cap (a rank's shard of an
+    embedding) moves in parts of the cap, or of ``host_part_bytes`` where that is set, instead
+    of making one bucket as large as itself, and steps as the whole copy does, bit for bit.
+    Scaled down: a 1 MiB fixed cap, 64 KiB the least; 1.75 MB offloaded: a cap of 128 KiB."""
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 20)
     monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", PART_BYTES)
-    sizes = [1000, 24, 2048, 777] * 10 + [200_000]  # 950 KB staged: a cap of 64 KiB
+    sizes = [1000, 24, 2048, 777] * 10 + [400_000]
     sized = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
     sized.size_host_buckets = True
+    sized.host_part_bytes = set_part_bytes
     built = build_hdo(sized, sizes, 1.0, seed=4, device=DEVICE)
     whole = build_hdo(hybrid_optimizer.HybridDeviceOptimizer, sizes, 1.0, seed=4, device=DEVICE)
     params, optimizer = built
     optimizer._ensure_built()
+    assert optimizer._host_bucket_bytes() == 2 * PART_BYTES
+    part = set_part_bytes or 2 * PART_BYTES
     large = optimizer.param_to_inner_param[params[-1]]
     parts = [bucket for bucket in optimizer._buckets if bucket.part is not None]
-    assert len(parts) == -(-200_000 * 4 // PART_BYTES)
+    assert len(parts) == -(-400_000 * 4 // part)
     assert all(len(bucket.hosts) == 1 and bucket.hosts[0] is large for bucket in parts)
-    assert max(bucket.nbytes for bucket in optimizer._buckets if bucket.grads) == PART_BYTES
+    assert max(bucket.nbytes for bucket in parts) == part
     for pair in (built, whole):
         train(pair, 3, seed=9)
     assert_same(built, whole)

@@ -525,6 +525,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._buckets: List[_Bucket] = []
         self._device_staging: List[torch.Tensor] = []
+        part_bytes = self._part_bytes()
         units, unit_bytes = [], []  # each sub-optimizer's buckets, and the bytes they stage
         for optimizer in self.cpu_optimizers:
             grads, end = [], 0
@@ -534,7 +535,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     offset = _staged_offset(end)
                     grads.append((host, param, offset))
                     end = offset + _nbytes(host)
-            units.append(self._buckets_of(optimizer, grads, end))
+            units.append(self._buckets_of(optimizer, grads, end, part_bytes))
             unit_bytes.append(end)
         staged = []
         counts = [len(unit) if unit[0].grads else 0 for unit in units]
@@ -590,11 +591,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         cap = self._host_bucket_bytes()
         return 0 if cap % PART_ALIGN_BYTES else cap
 
-    def _buckets_of(self, optimizer, grads, nbytes: int) -> List[_Bucket]:
+    def _buckets_of(self, optimizer, grads, nbytes: int, part_bytes: int) -> List[_Bucket]:
         """The pipeline's buckets for one host sub-optimizer: one, or one per part of its
-        only copy where that is larger than the part size (:meth:`_part_bytes`) and can be
+        only copy where that is larger than ``part_bytes`` (:meth:`_part_bytes`) and can be
         stepped in parts."""
-        part_bytes = self._part_bytes()
         if len(grads) == 1 and part_bytes and nbytes > part_bytes:
             host, param, _ = grads[0]
             if param.is_contiguous() and can_part(optimizer, host):

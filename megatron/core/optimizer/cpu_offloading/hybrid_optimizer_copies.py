@@ -137,9 +137,10 @@ def pipeline_order(
     unit_nbytes: List[int], large: int, unit_buckets: Optional[List[int]] = None, max_slots: int = 3
 ) -> List[int]:
     """The order in which the pipeline steps its units (one host sub-optimizer's buckets each):
-    as given, but with the units of more than ``large`` bytes (a parameter too large to share a
-    bucket: an embedding, an output layer) moved between the others, where the bytes before
-    them come closest to half of the others' (with a staged one after them).
+    as given, but with the units of one bucket of more than ``large`` bytes (a parameter too
+    large to share a bucket, moved whole: an embedding, an output layer) moved between the
+    others, where the bytes before them come closest to half of the others' (with a staged one
+    after them). A copy in parts is a run of small buckets: it stays where it is.
 
     The step waits for the first download and the last upload; every other copy runs beside
     host steps. Megatron's buffers hold a model back to front, so its embedding comes last and,
@@ -161,8 +162,9 @@ def pipeline_order(
     """
     buckets = [1] * len(unit_nbytes) if unit_buckets is None else unit_buckets
     period = math.lcm(*range(1, max_slots + 1))
-    moved = [i for i, nbytes in enumerate(unit_nbytes) if nbytes > large]
-    others = [i for i, nbytes in enumerate(unit_nbytes) if nbytes <= large]
+    moving = [nbytes > large and count == 1 for nbytes, count in zip(unit_nbytes, buckets)]
+    moved = [i for i, move in enumerate(moving) if move]
+    others = [i for i, move in enumerate(moving) if not move]
     if not moved or not others:
         return list(range(len(unit_nbytes)))
     total = sum(unit_nbytes[i] for i in others)
