@@ -29,6 +29,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
     FlatAdamStep,
     _hooked,
     _scaled,
+    share_memory,
 )
 
 # Part sizes and bounds are multiples of this many bytes (a multiple of any vector width).
@@ -162,8 +163,7 @@ class PartedCopy:
             if not value.is_contiguous():
                 return False
         # No two of them may share memory: the kernel would step it twice.
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in (step, *moments, host))
-        return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+        return not share_memory((step, *moments, host))
 
     def _create_state(self):
         """The state torch's fused Adam creates on its first step: a zero host fp32 counter
