@@ -6,8 +6,9 @@ For each case and offload fraction of ``hdo_step.py``, with ``param_update_in_fp
 copies) and the overlap on: the host buckets as the HDO builds them (``build_cpu_optimizer_list``
 over meta tensors, so nothing is allocated), the ring of gradient slots and the host copies pinned
 within upstream's pinned bytes as ``plan_pinned_host_memory`` chooses them (the buckets in the order
-the HDO steps them), and what stays pageable, with copies moved whole and in parts of ``--part-mib``
-(as the HDO parts them under torch's fused AdamW). Prints one line per case, fraction and way (also
+the HDO steps them), and what stays pageable, with copies moved whole, in parts of the HDO's
+default ``host_part_bytes`` and in parts of ``--part-mib`` (as the HDO parts them under torch's
+fused AdamW). Prints one line per case, fraction and way (also
 buckets sized to the offloaded bytes, the copies above that cap in parts of it: the HDO's
 ``size_host_buckets``); no timing.
 """
@@ -40,7 +41,8 @@ def host_numels(numels: List[int], fraction: float) -> List[int]:
 def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = False):
     """The ring and pinning plan for these shards: MiB of ring, pinned and pageable copies, with
     the fixed bucket cap or, if ``sized``, the cap sized to the offloaded bytes (the HDO's
-    ``size_host_buckets``: copies above it then move in parts of it, unless ``part_bytes``)."""
+    ``size_host_buckets``: copies above it then move in parts of it, or of ``part_bytes`` where
+    that is smaller)."""
     copies = [
         torch.empty(n, dtype=torch.float32, device="meta") for n in host_numels(numels, fraction)
     ]
@@ -52,8 +54,8 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
         cap = hdo.sized_bucket_bytes(
             sum(map(hdo._nbytes, copies)), cap, least=hdo._LEAST_SIZED_BUCKET_BYTES
         )
-        if not part_bytes and cap % hdo.PART_ALIGN_BYTES == 0:
-            part_bytes = cap  # the copies above the sized cap move in parts of it
+        if cap % hdo.PART_ALIGN_BYTES == 0:  # the copies above the sized cap move in parts of it
+            part_bytes = min(part_bytes or cap, cap)
     optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
         torch.optim.AdamW, [{"params": copies}], cap
     )
@@ -119,10 +121,12 @@ def main(argv=None):
     to the offloaded bytes (the copies above that cap in parts of it)."""
     args = parse_args(argv)
     print("MiB; cap = bucket cap; budget = upstream 0.19.2's pinned blocks; pinned = host copies'")
+    default = hdo.HybridDeviceOptimizer.host_part_bytes
     ways = {
         "whole copies": (0, False),
+        f"default (parts of {default >> 20} MiB)": (default, False),
         f"parts of {args.part_mib} MiB": (args.part_mib << 20, False),
-        "sized buckets": (0, True),
+        "sized buckets": (default, True),
     }
     for case in args.case:
         numels = case_numels(case, args.dp)

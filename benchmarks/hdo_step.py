@@ -97,11 +97,12 @@ FORK_VARIANTS = {
         {"host_part_bytes": 16 << 20},
         "host copies larger than 16 MiB stepped and moved in parts of 16 MiB (host_part_bytes)",
     ),
-    "fork large parts": (
-        "large_parts",
-        {"host_part_bytes": 64 << 20},
-        "only host copies larger than a bucket (64 MiB: embeddings, output layers) stepped and "
-        "moved in parts of 64 MiB (host_part_bytes)",
+    "fork whole copies": (
+        "whole_copies",
+        {"host_part_bytes": 0},
+        "every host copy stepped and moved whole (host_part_bytes 0), as the reference the "
+        "default's parts for copies larger than a bucket (64 MiB: embeddings, output layers) "
+        "are measured against",
     ),
     "fork sized": (
         "sized_buckets",

@@ -287,3 +287,26 @@ def test_sized_buckets_move_a_copy_larger_than_the_cap_in_parts_of_it(set_part_b
     for pair in (built, whole):
         train(pair, 3, seed=9)
     assert_same(built, whole)
+
+
+def test_by_default_only_a_copy_larger_than_a_bucket_moves_in_parts_of_a_bucket():
+    """The HDO as Megatron builds it: a host copy larger than a bucket (a shard of an embedding
+    or output layer) moves in parts of a bucket, so no ring slot has to hold it whole; a copy of
+    exactly a bucket moves whole. Both step as the whole copies do, bit for bit."""
+    bucket = hybrid_optimizer._HOST_BUCKET_BYTES
+    assert hybrid_optimizer.HybridDeviceOptimizer.host_part_bytes == bucket
+    sizes = [bucket // 4 + 4096, 1000, bucket // 4, 24]
+    whole = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
+    whole.host_part_bytes = 0
+    built = build_hdo(hybrid_optimizer.HybridDeviceOptimizer, sizes, 1.0, seed=6, device=DEVICE)
+    reference = build_hdo(whole, sizes, 1.0, seed=6, device=DEVICE)
+    params, optimizer = built
+    optimizer._ensure_built()
+    large = optimizer.param_to_inner_param[params[0]]
+    parts = [b for b in optimizer._buckets if b.part is not None]
+    assert sorted(b.nbytes for b in parts) == [4096 * 4, bucket]
+    assert all(b.hosts == [large] for b in parts)
+    for pair in (built, reference):
+        train(pair, 2, seed=7)
+    assert_same(built, reference)
+    assert max(optimizer._ring_plan.slot_bytes) == bucket

@@ -221,12 +221,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # Host copies larger than this many bytes (a multiple of PART_ALIGN_BYTES) are stepped and
     # moved in parts of this size, each a bucket of the pipeline, where their sub-optimizer is
-    # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole.
-    host_part_bytes = 0
+    # torch's fused Adam or AdamW (see hybrid_optimizer_parts); 0 moves every copy whole. A
+    # bucket's size by default: only copies larger than a bucket (embeddings, output layers)
+    # move in parts, so no copy holds up the pipeline or takes a ring slot of its own size.
+    host_part_bytes = _HOST_BUCKET_BYTES
 
     # Cap the host buckets at an eighth of the offloaded bytes (a power of two, between 16 MiB
     # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES,
-    # and, unless host_part_bytes is set, move the copies larger than that cap in parts of it.
+    # and move the copies larger than that cap in parts of it (or of host_part_bytes if smaller).
     size_host_buckets = False
 
     def __init__(
@@ -584,12 +586,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _part_bytes(self) -> int:
         """The size of the parts a large host copy moves in: ``host_part_bytes``, or with
-        ``size_host_buckets`` and no part size set the sized bucket cap (where it is a multiple
-        of ``PART_ALIGN_BYTES``), so that no copy is a bucket larger than the others; 0: whole."""
-        if self.host_part_bytes or not self.size_host_buckets:
-            return self.host_part_bytes
-        cap = self._host_bucket_bytes()
-        return 0 if cap % PART_ALIGN_BYTES else cap
+        ``size_host_buckets`` the sized bucket cap where that is smaller (and a multiple of
+        ``PART_ALIGN_BYTES``), so that no copy is a bucket larger than the others; 0: whole."""
+        sizes = [self.host_part_bytes]
+        if self.size_host_buckets:
+            cap = self._host_bucket_bytes()
+            sizes.append(0 if cap % PART_ALIGN_BYTES else cap)
+        return min((size for size in sizes if size), default=0)
 
     def _buckets_of(self, optimizer, grads, nbytes: int, part_bytes: int) -> List[_Bucket]:
         """The pipeline's buckets for one host sub-optimizer: one, or one per part of its
