@@ -6,16 +6,21 @@ call upstream's private members around checkpoint loads. Each test checks that w
 touch is the real state: identity with the sub-optimizer's dicts, assignments that count at
 once, the members' meaning, and steps ``torch.equal`` to a twin that never saw the flow. Every
 test runs on the CPU; with CUDA the parameters live on the GPU, and the client flows also
-check where the state goes and what accelerator memory it takes.
+check where the state goes and what accelerator memory it takes. Every test runs twice: with
+small copies, each moved whole, and with a first copy larger than a bucket, moved in parts of
+a bucket as the HDO moves such a copy (an embedding) by default, scaled down to 64 KiB.
 """
 
 import copy
 import io
+import sys
 
 import pytest
 import torch
 
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import PART_ALIGN_BYTES
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     import hdo_client_flows as flows
@@ -26,6 +31,28 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SHAPES = [(64, 32), (128,), (32, 32), (48,), (16, 8)]
 FRACTIONS = [0.0, 0.5, 1.0]
+# 80 KiB of fp32 (two parts of 64 KiB), first so that it is offloaded at every fraction but 0.
+PARTED_SHAPE = (160, 128)
+
+
+@pytest.fixture(autouse=True, params=["whole", "parts"])
+def copies(request, monkeypatch):
+    """Which way the host copies move: whole, or the first in parts."""
+    if request.param == "parts":  # the default's bucket cap and part size, scaled down
+        monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", PART_ALIGN_BYTES)
+        monkeypatch.setattr(HybridDeviceOptimizer, "host_part_bytes", PART_ALIGN_BYTES)
+        monkeypatch.setattr(sys.modules[__name__], "SHAPES", [PARTED_SHAPE] + SHAPES)
+    return request.param
+
+
+def test_the_parts_variant_moves_its_first_copy_in_parts(copies):
+    for fraction in (0.5, 1.0):
+        params, optimizer = make(fraction)
+        train(params, optimizer, 1, seed=1)
+        # pylint: disable=protected-access
+        parted = [b for b in optimizer._buckets if b.parted is not None]
+        assert len(parted) == (2 if copies == "parts" else 0)
+        assert all(b.hosts == [optimizer.param_to_inner_param[params[0]]] for b in parted)
 
 
 def test_state_is_listed_in_parameter_order():
