@@ -238,10 +238,7 @@ def measure_floor(args, device, fraction):
         copies = ("d2h", "h2d", "adam_beside_copies", "d2h_fp32", "h2d_fp32")
         return dict.fromkeys(("adam", "adam_flat", *copies, "adam_beside_fp32_copies"), 0.0)
     generator = value_generator(device, seed=1)
-    params = [random_values(n, generator, device).cpu() for n in chosen]
-    for p in params:
-        p.grad = random_values(p.numel(), generator, device).mul_(1e-3).cpu()
-    adam = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+    adam = host_adam(chosen, generator, device)
     result = {"adam": timed(adam.step, "cpu", args.repeats)["median"]}
     result["adam_flat"] = flat_adam_seconds(sum(chosen), generator, device, args.repeats)
     if device != "cuda":
@@ -263,9 +260,41 @@ def measure_floor(args, device, fraction):
     nbytes = sum(chosen) * 2
     result["d2h_gbps"] = nbytes / result["d2h"] / 1e9
     result["h2d_gbps"] = nbytes / result["h2d"] / 1e9
-    del adam, params
+    del adam
     gc.collect()
     return result
+
+
+def adam_times(floor):
+    """Host AdamW alone before and after the rows (0.0 where not timed)."""
+    return floor.get("adam_before", 0.0), floor.get("adam_after", 0.0)
+
+
+def host_adam(numels, generator, device):
+    """Fused host AdamW over fp32 host tensors of ``numels`` elements, with gradients."""
+    params = [random_values(n, generator, device).cpu() for n in numels]
+    for p in params:
+        p.grad = random_values(p.numel(), generator, device).mul_(1e-3).cpu()
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+
+
+def adam_again(args, device, fraction, floor):
+    """The floor with host AdamW alone timed again, after a fraction's rows.
+
+    The host's memory bandwidth, which AdamW is bound by, drifts over the minutes the rows
+    take (a third between runs on one machine), so the floor's AdamW is the mean of its
+    time before the rows and after them (``adam_before``, ``adam_after``); the copies and
+    AdamW beside them keep their one measurement.
+    """
+    chosen = offloaded_sizes(args, fraction)
+    if not chosen:
+        return {**floor, "adam_before": 0.0, "adam_after": 0.0}
+    adam = host_adam(chosen, value_generator(device, seed=1), device)
+    after = timed(adam.step, "cpu", args.repeats)["median"]
+    del adam
+    gc.collect()
+    before = floor["adam"]
+    return {**floor, "adam": (before + after) / 2, "adam_before": before, "adam_after": after}
 
 
 def flat_blocks(numel, block_numel=FLAT_BLOCK_NUMEL):
@@ -604,6 +633,7 @@ COLUMNS = [
     ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
     ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
     ("adam s", 6, lambda r: f"{r['floor']['adam']:.3f}"),
+    ("before/after s", 14, lambda r: "/".join(f"{t:.3f}" for t in adam_times(r["floor"]))),
     ("adam flat s", 11, lambda r: f"{r['floor'].get('adam_flat', float('nan')):.3f}"),
     ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
     ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
@@ -715,8 +745,9 @@ def main():
             started = time.perf_counter()
             floor = measure_floor(args, device, fraction)
             floor["measured_in_s"] = time.perf_counter() - started
+            by_overlap = {}
             for overlap in overlaps:
-                processes = {name: [] for name in implementations}
+                processes = by_overlap[overlap] = {name: [] for name in implementations}
                 for round_ in range(args.rounds):
                     turn = round_ % len(implementations)
                     for name in implementations[turn:] + implementations[:turn]:
@@ -724,6 +755,8 @@ def main():
                         result = run_worker(args, name, fraction, overlap)
                         result["worker_s"] = time.perf_counter() - started
                         processes[name].append(result)
+            floor = adam_again(args, device, fraction, floor)
+            for overlap, processes in by_overlap.items():
                 digests = {result["digest"] for rounds in processes.values() for result in rounds}
                 exact = len(digests) == 1
                 results = {name: combined(rounds) for name, rounds in processes.items()}
@@ -744,7 +777,9 @@ def main():
                     json.dump({"device": label, "args": summary, "rows": rows}, out, indent=1)
     legend = (
         "floor = fused host AdamW over the offloaded tensors + bf16 D2H + bf16 H2D of their "
-        "bytes (one pinned block each way); limit = the longest of the three; adam flat = that "
+        "bytes (one pinned block each way); adam = that AdamW alone, the mean of its times "
+        "before and after the fraction's rows (before/after); limit = the longest of the "
+        "three; adam flat = that "
         "AdamW over the same elements as flat 64 MiB blocks (one tensor per HDO bucket; not in "
         "the limits); contended = the "
         "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); fp32 "

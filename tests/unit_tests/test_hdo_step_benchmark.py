@@ -2,6 +2,7 @@
 """The HDO step benchmark's arithmetic: both limits and the ratios it prints (CPU)."""
 
 import gc
+import json
 import sys
 import types
 from pathlib import Path
@@ -114,6 +115,42 @@ def test_the_flat_adam_time_is_measured_and_printed_beside_the_limits():
     assert row["limit_s"] == max(floor["adam"], floor["d2h"], floor["h2d"])
     cells = {name: cell(row) for name, _, cell in benchmark.COLUMNS}
     assert cells["adam flat s"] == f"{floor['adam_flat']:.3f}"
+
+
+def test_host_adam_is_timed_again_after_the_rows_and_the_limits_take_the_mean(
+    monkeypatch, tmp_path
+):
+    """Host AdamW's speed drifts while the rows run, so it is timed before and after a
+    fraction's rows (every overlap), and the floor and limit take the mean of the two."""
+    events = []
+
+    def worker(args, name, fraction, overlap):
+        events.append(("row", overlap))
+        result = {"step": 0.2, "step_min": 0.19, "step_max": 0.21, "outside": 0.0}
+        return {**result, "pinned_held": 0, "pinned_live": 0, "digest": "same"}
+
+    def again(args, device, fraction, floor):
+        events.append("again")
+        return real_again(args, device, fraction, {**floor, "adam": 1.0})
+
+    real_again = benchmark.adam_again
+    monkeypatch.setattr(benchmark, "run_worker", worker)
+    monkeypatch.setattr(benchmark, "adam_again", again)
+    argv = ["--case", "stress", "--scale", "0.001", "--repeats", "1", "--fractions", "1.0"]
+    argv += ["--overlap", "both", "--skip-upstream", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", ["hdo_step.py", *argv])
+    benchmark.main()
+    assert events == [("row", True), ("row", False), "again"]
+    rows = json.loads((tmp_path / "hdo_step_cpu.json").read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        floor = row["floor"]
+        assert floor["adam_before"] == 1.0 and 0.0 < floor["adam_after"] < 1.0
+        assert floor["adam"] == (1.0 + floor["adam_after"]) / 2
+        assert row["limit_s"] == max(floor["adam"], floor["d2h"], floor["h2d"])
+        assert row["ratio_limit"] == 0.2 / row["limit_s"]
+        cells = {name: cell(row) for name, _, cell in benchmark.COLUMNS}
+        assert cells["before/after s"] == f"1.000/{floor['adam_after']:.3f}"
 
 
 def test_a_fork_tree_row_times_that_checkout_s_modules_exactly_as_the_installed_fork():
