@@ -44,6 +44,7 @@ import gc
 import hashlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -709,6 +710,18 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
     }
 
 
+def host_processor() -> str:
+    """The host processor's model name (Linux), since host AdamW's speed is the host's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            names = [
+                line.split(":", 1)[1].strip() for line in info if line.startswith("model name")
+            ]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or "unknown"
+
+
 def main():
     """Measure the floor and both implementations per case and fraction; print, save."""
     args = parse_args()
@@ -719,6 +732,7 @@ def main():
         print(json.dumps(time_hdo(implementation_class(name), args, device, fraction, overlap)))
         return
     label = torch.cuda.get_device_name() if device == "cuda" else "CPU only (host figures)"
+    label += f", host {host_processor()}"
     print(
         f"HDO step benchmark on {label}; torch {torch.__version__}; host threads "
         f"{torch.get_num_threads()} (of {os.cpu_count()} cores); dp {args.dp}; in place "
