@@ -5,12 +5,11 @@
 For each case and offload fraction of ``hdo_step.py``, with ``param_update_in_fp32`` (fp32 host
 copies) and the overlap on: the host buckets as the HDO builds them (``build_cpu_optimizer_list``
 over meta tensors, so nothing is allocated), the ring of gradient slots and the host copies pinned
-within upstream's pinned bytes as ``plan_pinned_host_memory`` chooses them (the buckets in the order
-the HDO steps them), and what stays pageable, with copies moved whole, in parts of the HDO's
-default ``host_part_bytes`` and in parts of ``--part-mib`` (as the HDO parts them under torch's
-fused AdamW). Prints one line per case, fraction and way (also
-buckets sized to the offloaded bytes, the copies above that cap in parts of it: the HDO's
-``size_host_buckets``); no timing.
+within upstream's pinned bytes as ``plan_pinned_host_memory`` chooses them, and what stays
+pageable, with copies moved whole, in parts of the HDO's default ``host_part_bytes`` and in parts
+of ``--part-mib`` (as the HDO parts them under torch's fused AdamW). Prints one line per case,
+fraction and way (also buckets sized to the offloaded bytes, the copies above that cap in parts
+of it: the HDO's ``size_host_buckets``); no timing.
 """
 
 import argparse
@@ -59,23 +58,17 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
     optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
         torch.optim.AdamW, [{"params": copies}], cap
     )
-    buckets = []  # the staged bytes of each sub-optimizer's buckets (or parts)
+    staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
     for optimizer in optimizers:
         hosts = optimizer.param_groups[0]["params"]
         end = 0
         for host in hosts:
             end = hdo._staged_offset(end) + hdo._nbytes(host)
+        units.append(end)
         if part_bytes and len(hosts) == 1 and end > part_bytes:
-            buckets.append([min(part_bytes, end - start) for start in range(0, end, part_bytes)])
+            staged += [min(part_bytes, end - start) for start in range(0, end, part_bytes)]
         else:
-            buckets.append([end])
-    staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
-    ends = [sum(parts) for parts in buckets]
-    counts = [len(parts) for parts in buckets]
-    order = hdo.pipeline_order(ends, hdo._HOST_BUCKET_BYTES, counts, hdo._RING_SLOTS)
-    for index in order:  # as the HDO steps them
-        units.append(ends[index])
-        staged += buckets[index]
+            staged.append(end)
     budget = hdo.upstream_pinned_bytes(list(zip(copies, params)), True, held=True)
     slots, pinned = hdo.plan_pinned_host_memory(
         staged, units, budget, hdo._RING_SLOTS, True, hdo.pinned_block_bytes

@@ -209,58 +209,6 @@ def test_parts_leave_more_copies_pinned_within_upstreams_pinned_memory(monkeypat
     assert pinned_copies == {0: 6, PART_BYTES: 7}
 
 
-@pytest.mark.parametrize("part_bytes", [0, PART_BYTES], ids=["whole", "parts"])
-def test_a_copy_too_large_for_a_bucket_is_stepped_between_the_others(part_bytes, monkeypatch):
-    """Laid out as Megatron's buffers hand them over (the embedding last), the largest copy
-    would be stepped last and its whole upload waited for; moved whole, it goes between the
-    other buckets, after half of their bytes. In parts it is a run of small buckets and stays
-    last (its parts in order). Either way the steps are those of the given order, bit for
-    bit."""
-    # Buckets of 40 KB (two do not fit in one) and a last copy above 64 KiB.
-    sizes = [300, 301, 10_000, 16, 10_000, 10_000, 77, 10_000, 90_000]
-    built = make(part_bytes, monkeypatch, sizes=sizes)
-    params, optimizer = built
-    train(built, 3, seed=5)
-    large = optimizer.param_to_inner_param[params[-1]]
-    staged = [bucket for bucket in optimizer._buckets if bucket.grads]
-    holding = [i for i, bucket in enumerate(staged) if any(h is large for h in bucket.hosts)]
-    assert holding == list(range(holding[0], holding[-1] + 1))  # contiguous
-    if part_bytes:
-        parts = [staged[i].part for i in holding]
-        assert len(parts) > 1 and parts == sorted(parts)
-        assert holding[-1] == len(staged) - 1
-    else:
-        assert 0 < holding[0] and holding[-1] < len(staged) - 1
-        before = sum(bucket.nbytes for bucket in staged[: holding[0]])
-        others = [bucket.nbytes for i, bucket in enumerate(staged) if i not in holding]
-        assert abs(2 * before - sum(others)) <= max(others)  # half of the others before it
-
-    # The same steps in the sub-optimizers' own order.
-    monkeypatch.setattr(hybrid_optimizer, "pipeline_order", lambda nbytes, *_: range(len(nbytes)))
-    given = make(part_bytes, monkeypatch, sizes=sizes)
-    train(given, 3, seed=5)
-    last = [b for b in given[1]._buckets if b.grads][-1]
-    assert any(h is given[1].param_to_inner_param[given[0][-1]] for h in last.hosts)
-    assert_same(built, given)
-
-
-def test_two_copies_too_large_for_a_bucket_share_a_ring_slot(monkeypatch):
-    """An untied output layer (first) and embedding (last) both go between the others, six
-    staged buckets apart, so that they stage in one slot with three slots or two: side by side
-    they would make the ring hold two slots of their size."""
-    sizes = [90_000] + [10_000] * 12 + [90_000]
-    params, optimizer = make(0, monkeypatch, sizes=sizes)
-    train((params, optimizer), 1, seed=3)
-    staged = [bucket for bucket in optimizer._buckets if bucket.grads]
-    inner = [optimizer.param_to_inner_param[params[i]] for i in (0, -1)]
-    places = [i for i, b in enumerate(staged) if any(h is c for h in b.hosts for c in inner)]
-    assert len(places) == 2 and places[1] - places[0] == 6
-    assert 0 < places[0] and places[1] < len(staged) - 1
-    assert staged[places[0]].slot == staged[places[1]].slot
-    slots = optimizer._ring_plan.slots
-    assert sorted(optimizer._ring_plan.slot_bytes)[:-1] == [40_000] * (slots - 1)
-
-
 @pytest.mark.parametrize("set_part_bytes", [0, PART_BYTES], ids=["cap", "host_part_bytes"])
 def test_sized_buckets_move_a_copy_larger_than_the_cap_in_parts_of_it(set_part_bytes, monkeypatch):
     """With ``size_host_buckets`` a copy larger than the sized cap (a rank's shard of an

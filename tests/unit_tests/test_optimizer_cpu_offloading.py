@@ -744,11 +744,7 @@ def flat_params(numels, dtype, seed=0):
 
 
 def bucket_grads(optimizer):
-    """Per host sub-optimizer, in the order the step takes them: (storage pointer, byte
-    offset, bytes) of each staged gradient."""
-    buckets = getattr(optimizer, "_buckets", None)  # upstream has none: its own order
-    stepped = optimizer.cpu_optimizers if buckets is None else [b.optimizer for b in buckets]
-    stepped = dict.fromkeys(stepped)
+    """Per host sub-optimizer: (storage pointer, byte offset, bytes) of each staged gradient."""
     return [
         [
             (
@@ -760,7 +756,7 @@ def bucket_grads(optimizer):
                 optimizer.cpu_copy_map_grad[host] for host in sub.param_groups[0]["params"]
             )
         ]
-        for sub in stepped
+        for sub in optimizer.cpu_optimizers
     ]
 
 

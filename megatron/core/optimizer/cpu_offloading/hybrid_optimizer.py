@@ -41,7 +41,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     _widened,
     pack_host_copies,
     pinned_block_bytes,
-    pipeline_order,
     plan_pinned_host_memory,
     sized_bucket_bytes,
     slot_sizes,
@@ -510,10 +509,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _plan_grad_ring(self):
         """Lay out where each host bucket stages its gradients; allocate nothing yet.
 
-        Buckets are stepped in the sub-optimizers' order, except that those of a host copy whose
-        staged gradients exceed ``_HOST_BUCKET_BYTES`` go between the others
-        (:func:`pipeline_order`), where its download and upload run beside other buckets' host
-        steps. The k-th bucket with offloaded parameters packs its gradients into ring slot
+        Buckets are stepped in the sub-optimizers' order (a copy in parts as its run of parts).
+        The k-th bucket with offloaded parameters packs its gradients into ring slot
         ``k % slots``, and the download of bucket ``k + slots`` starts once bucket ``k`` has
         been stepped; a slot holds the largest of its buckets. With overlap the ring has up to
         ``_RING_SLOTS`` slots, so downloads run ahead of the host steps; without it one, so
@@ -528,7 +525,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._buckets: List[_Bucket] = []
         self._device_staging: List[torch.Tensor] = []
         part_bytes = self._part_bytes()
-        units, unit_bytes = [], []  # each sub-optimizer's buckets, and the bytes they stage
+        staged = []
         for optimizer in self.cpu_optimizers:
             grads, end = [], 0
             for host in _param_generator(optimizer):
@@ -537,13 +534,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     offset = _staged_offset(end)
                     grads.append((host, param, offset))
                     end = offset + _nbytes(host)
-            units.append(self._buckets_of(optimizer, grads, end, part_bytes))
-            unit_bytes.append(end)
-        staged = []
-        counts = [len(unit) if unit[0].grads else 0 for unit in units]
-        for unit in pipeline_order(unit_bytes, _HOST_BUCKET_BYTES, counts, _RING_SLOTS):
-            for bucket in units[unit]:
-                if bucket.grads:
+            for bucket in self._buckets_of(optimizer, grads, end, part_bytes):
+                if grads:
                     staged.append(len(self._buckets))
                 self._buckets.append(bucket)
 

@@ -10,7 +10,6 @@ into one flat block so that each direction is one copy.
 
 import contextlib
 import dataclasses
-import math
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
@@ -131,64 +130,6 @@ def sized_bucket_bytes(
         return most
     share = max(staged_bytes // buckets, 1)
     return max(min(1 << (share.bit_length() - 1), most), min(least, most))
-
-
-def pipeline_order(
-    unit_nbytes: List[int], large: int, unit_buckets: Optional[List[int]] = None, max_slots: int = 3
-) -> List[int]:
-    """The order in which the pipeline steps its units (one host sub-optimizer's buckets each):
-    as given, but with the units of one bucket of more than ``large`` bytes (a parameter too
-    large to share a bucket, moved whole: an embedding, an output layer) moved between the
-    others, where the bytes before them come closest to half of the others' (with a staged one
-    after them). A copy in parts is a run of small buckets: it stays where it is.
-
-    The step waits for the first download and the last upload; every other copy runs beside
-    host steps. Megatron's buffers hold a model back to front, so its embedding comes last and,
-    stepped last, its whole upload would be waited for (an untied output layer comes first, its
-    download waited for). Two moved units are placed a multiple of every ring size up to
-    ``max_slots`` staged buckets apart (6 for three slots) where the others allow, so that they
-    share one ring slot (a slot is as large as its largest bucket) whatever the ring's size.
-
-    Args:
-        unit_nbytes: staged gradient bytes of each unit, in the sub-optimizers' order.
-        large: the bytes above which a unit moves (the largest bucket cap: a unit above it
-            holds one parameter).
-        unit_buckets: staged buckets of each unit (one each by default; a copy in parts has
-            several, a unit without offloaded copies none).
-        max_slots: the most ring slots the plan may choose.
-
-    Returns:
-        Indices into ``unit_nbytes``, in stepping order.
-    """
-    buckets = [1] * len(unit_nbytes) if unit_buckets is None else unit_buckets
-    period = math.lcm(*range(1, max_slots + 1))
-    moving = [nbytes > large and count == 1 for nbytes, count in zip(unit_nbytes, buckets)]
-    moved = [i for i, move in enumerate(moving) if move]
-    others = [i for i, move in enumerate(moving) if not move]
-    if not moved or not others:
-        return list(range(len(unit_nbytes)))
-    total = sum(unit_nbytes[i] for i in others)
-    staged = [position for position, i in enumerate(others) if unit_nbytes[i]]
-    last = staged[-1] if staged else len(others)  # keep one staged unit after the moved ones
-    middle, before, gap = 0, 0, total
-    for position in range(last + 1):
-        if abs(2 * before - total) < gap:
-            middle, gap = position, abs(2 * before - total)
-        if position < len(others):
-            before += unit_nbytes[others[position]]
-    order, rest = others[:middle], others[middle:]
-    for count, unit in enumerate(moved):
-        order.append(unit)
-        if count + 1 == len(moved):
-            break
-        distance, between = buckets[unit], 0
-        while distance % period and between < len(rest):
-            distance += buckets[rest[between]]
-            between += 1
-        if distance % period == 0 and any(unit_nbytes[i] for i in rest[between:]):
-            order += rest[:between]  # else the next one follows at once
-            rest = rest[between:]
-    return order + rest
 
 
 def slot_sizes(bucket_nbytes: List[int], slots: int) -> List[int]:
