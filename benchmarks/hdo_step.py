@@ -64,6 +64,10 @@ FLAT_BLOCK_NUMEL = 16 << 20
 TREE_PREFIX = "fork@"
 """Rows of ``--fork-tree``: ``fork@PATH`` times the fork's modules of the checkout at PATH."""
 
+BUCKET_PREFIX = "fork buckets MiB "
+"""Rows of ``--bucket-mib``: ``fork buckets MiB N`` times the fork with host buckets (and parts)
+of N MiB."""
+
 
 def fork_class(tree=None):
     """The fork's HybridDeviceOptimizer as ``megatron.core`` resolves it, or from the
@@ -118,6 +122,15 @@ FORK_VARIANTS = {
 def fork_variant_class(name: str):
     """The fork's HybridDeviceOptimizer with the class attributes of variant ``name``."""
     return type("HybridDeviceOptimizer", (fork_class(),), dict(FORK_VARIANTS[name][1]))
+
+
+def bucket_variant_class(mib: int):
+    """The fork's HybridDeviceOptimizer with host buckets of ``mib`` MiB and copies larger than
+    that in parts of it. The cap is the module's constant, so this sets it for the whole
+    process: call it only in a worker of its own."""
+    cls = fork_class()
+    sys.modules[cls.__module__]._HOST_BUCKET_BYTES = mib << 20
+    return type("HybridDeviceOptimizer", (cls,), {"host_part_bytes": mib << 20})
 
 
 def in_place_class(choice: str):
@@ -449,6 +462,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         "pinned_live": pinned_bytes_in_use(),
         "digest": digest.hexdigest(),
         "module": defining_file(hdo_class),
+        "host_optimizers": len(optimizer.cpu_optimizers),
     }
     if args.breakdown:  # after the digest: these steps change the parameters
         result["breakdown_ms"] = breakdown(optimizer, hand_out_grads)
@@ -471,6 +485,8 @@ def implementation_class(name):
     ``TREE_PREFIX``)."""
     if name.startswith(TREE_PREFIX):
         return fork_class(name[len(TREE_PREFIX) :])
+    if name.startswith(BUCKET_PREFIX):
+        return bucket_variant_class(int(name[len(BUCKET_PREFIX) :]))
     return IMPLEMENTATIONS[name]()
 
 
@@ -589,6 +605,17 @@ def parse_args(argv=None):
             action="store_true",
             help=f"also time the fork with {times}, in the same run (row: {name})",
         )
+    parser.add_argument(
+        "--bucket-mib",
+        nargs="+",
+        type=int,
+        default=[],
+        metavar="N",
+        help="also time the fork with host buckets of N MiB (a power of two) instead of 64, "
+        "copies larger than that moved in parts of it, in the same run (rows: "
+        f"{BUCKET_PREFIX}N): whether smaller granules keep the copies' traffic in the host's "
+        "last-level cache beside AdamW",
+    )
     parser.add_argument(
         "--fork-tree",
         nargs="+",
@@ -740,6 +767,7 @@ def main():
         f"gradients {args.grads} ({GRADIENT_ATTRIBUTES[args.grads]})"
     )
     implementations = ["fork"] + [n for n, (dest, *_) in FORK_VARIANTS.items() if vars(args)[dest]]
+    implementations += [BUCKET_PREFIX + str(mib) for mib in args.bucket_mib]
     implementations += [TREE_PREFIX + tree for tree in args.fork_tree]
     if device == "cuda" and not args.skip_upstream:
         implementations.insert(0, "upstream 0.19.2")

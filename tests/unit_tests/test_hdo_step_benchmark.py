@@ -174,6 +174,21 @@ def test_a_fork_tree_row_times_that_checkout_s_modules_exactly_as_the_installed_
         benchmark.run_worker(args, benchmark.TREE_PREFIX + str(BENCHMARKS), 0.5, True)
 
 
+def test_a_bucket_row_steps_smaller_host_buckets_to_the_same_values():
+    """``--bucket-mib`` rows cut the host copies into buckets (and parts) of that size in their
+    worker alone, and step the same values as the default's 64 MiB buckets."""
+    args = benchmark.parse_args(
+        ["--case", "gpt", "--scale", "0.004", "--repeats", "1", "--warmup", "1"]
+    )
+    args.case = "gpt"  # main() runs the cases one at a time
+    default = benchmark.run_worker(args, "fork", 1.0, True)
+    small = benchmark.run_worker(args, benchmark.BUCKET_PREFIX + "1", 1.0, True)
+    assert small["digest"] == default["digest"]
+    assert default["host_optimizers"] == 1  # about 8 MiB of fp32 copies
+    assert small["host_optimizers"] >= 8
+    assert benchmark.parse_args(["--bucket-mib", "4", "16"]).bucket_mib == [4, 16]
+
+
 def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values():
     """``--grads decoupled`` hands the HDO what the precision-aware distributed optimizer does:
     parameters viewing one bf16 buffer, fp32 gradients viewing another (both back to front),
