@@ -6,14 +6,14 @@
 #   scripts/device_wheels.sh prepare [TE_WHEELS]   here: .whl/ (the fork, megatron-core 0.19.2)
 #                                                  and, given the folder of TE's extension
 #                                                  wheels, .te/ (TE's core wheel cut in parts
-#                                                  of 47 MiB, .te/extra/ those wheels)
+#                                                  of 58 MiB, .te/extra/ those wheels)
 #   source scripts/device_wheels.sh install [te]   there: install .whl/ (and, with "te", TE
 #                                                  joined from ~/te/te.part.*) into ~/site
 #
 # Both folders are git-ignored; name them in the device call's carry. The calls are limited to
-# 64 MiB each, so TE's parts travel one per call (`mkdir -p ~/te && mv .te/te.part.aa ~/te/`),
-# in calls close enough that the machine stays warm; the last call carries .te/extra and the
-# last part and installs. PYTHONPATH entries are no site folders, so a .pth in the machine's
+# 64 MiB each, so TE's five parts travel one per call (`mkdir -p ~/te && mv .te/te.part.aa
+# ~/te/`; carry no more than .whl beside one), in calls close enough that the machine stays
+# warm; the last call carries .te/extra and the last part and installs. PYTHONPATH entries are no site folders, so a .pth in the machine's
 # own site-packages makes ~/site one, and the fork's overlay hook (a .pth) runs at start-up.
 
 _device_wheels_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +29,7 @@ _device_wheels_prepare() {
         cp "$1"/*.whl .te/extra/ || return 1
         "$python" -m pip download -q --no-deps transformer-engine-cu13==2.20.2 -d .te/download \
             || return 1
-        split -b 47M .te/download/transformer_engine_cu13-*.whl .te/te.part. && rm -rf .te/download
+        split -b 58M .te/download/transformer_engine_cu13-*.whl .te/te.part. && rm -rf .te/download
     fi
     ls -l .whl .te 2>/dev/null
 }

@@ -141,7 +141,8 @@ def test_host_adam_is_timed_again_after_the_rows_and_the_limits_take_the_mean(
     monkeypatch.setattr(sys, "argv", ["hdo_step.py", *argv])
     benchmark.main()
     assert events == [("row", True), ("row", False), "again"]
-    saved = json.loads((tmp_path / "hdo_step_cpu.json").read_text())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    saved = json.loads((tmp_path / f"hdo_step_{device}.json").read_text())
     assert saved["device"].endswith(f", host {benchmark.host_processor()}")  # machines differ
     rows = saved["rows"]
     assert len(rows) == 2

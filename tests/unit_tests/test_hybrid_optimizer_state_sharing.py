@@ -208,7 +208,12 @@ def test_a_download_notes_its_event_and_the_step_takes_it():
         param.grad = torch.ones_like(param)
     first = optimizer._ring_plan.first_downloads[0]
     optimizer._download(first)
-    event = optimizer._cpu_optimizer_map_data_event[optimizer._buckets[first].optimizer]
+    bucket = optimizer._buckets[first]
+    if bucket.part is None:  # a whole bucket's key is its sub-optimizer, as upstream keys it
+        assert bucket.event_key is bucket.optimizer
+    else:  # the parts of a copy share its sub-optimizer, so each adds its range
+        assert bucket.event_key == (bucket.optimizer, bucket.part)
+    event = optimizer._cpu_optimizer_map_data_event[bucket.event_key]
     assert isinstance(event, torch.cuda.Event)
     event.synchronize()
     optimizer._cpu_optimizer_map_data_event.clear()
