@@ -89,8 +89,8 @@ _HDO_OPTIONS = (
 # together: 16M fp32 elements, a few ms of fused host AdamW, so small parameters share a call
 # and the calling thread's work per bucket (queueing its copies: ~0.1-0.2 ms each way) stays
 # small beside it, while the pipeline's ends (the first download, the last upload) stay short.
-# On an H200 host 64 MiB stepped gpt, moe and stress at 0.5 faster than 16 or 32 MiB (see
-# docs/measurements.md). A power of two, since the host allocator pins blocks of powers of
+# On an H200 host 64 MiB stepped gpt, moe and stress at 0.5 faster than 16 or 32 MiB, and gpt
+# at 1.0 faster than 16 or 4 MiB (see docs/measurements.md). A power of two, since the host allocator pins blocks of powers of
 # two: a full bucket's block and slot waste nothing, where a bucket just past the cap would
 # hold twice its bytes.
 _HOST_BUCKET_BYTES = 64 << 20
