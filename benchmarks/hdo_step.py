@@ -182,19 +182,23 @@ class CollectorPauses:
         gc.callbacks.remove(self)
 
 
-def timed(fn, device, repeats, warmup=1, before=None):
+def timed(fn, device, repeats, warmup=1, before=None, beside=None):
     """Wall times of ``fn`` over ``repeats`` runs after ``warmup`` runs, and of ``before``.
 
     ``before`` (the benchmark's own work, such as handing out gradients) runs ahead of each
-    call and is timed on its own, outside the time of ``fn``. A full collection runs after the
-    warm-up, so that the objects the first calls made (the optimizer's state) are not
-    collected inside a timed call; collections that still land in one are counted.
+    call and is timed on its own, outside the time of ``fn``. ``beside`` (a reference to hold
+    ``fn`` against) runs right before each timed call of ``fn``, and once in the warm-up,
+    timed on its own. A full collection runs after the warm-up, so that the objects the first
+    calls made (the optimizer's state) are not collected inside a timed call; collections that
+    still land in one are counted.
 
     Returns:
-        ``{"median", "min", "max"}`` of ``fn``, ``"outside"``, the median of ``before``, and
-        ``"gc"``, the seconds the collector ran inside the timed calls of ``fn``, in all.
+        ``{"median", "min", "max"}`` of ``fn``, ``"times"``, its timed calls in order,
+        ``"outside"``, the median of ``before``, ``"beside"``, the times of ``beside`` before
+        each timed call (empty without it), and ``"gc"``, the seconds the collector ran inside
+        the timed calls of ``fn``, in all.
     """
-    outside, times = [], []
+    outside, times, beside_times = [], [], []
     with CollectorPauses() as pauses:
         for index in range(warmup + repeats):
             if before is not None:
@@ -203,6 +207,11 @@ def timed(fn, device, repeats, warmup=1, before=None):
                 before()
                 sync(device)
                 outside.append(time.perf_counter() - start)
+            if beside is not None and index >= warmup - 1:
+                start = time.perf_counter()
+                beside()
+                if index >= warmup:
+                    beside_times.append(time.perf_counter() - start)
             if index < warmup:
                 fn()
                 continue
@@ -219,7 +228,9 @@ def timed(fn, device, repeats, warmup=1, before=None):
         "median": statistics.median(times),
         "min": min(times),
         "max": max(times),
+        "times": times,
         "outside": statistics.median(outside) if outside else 0.0,
+        "beside": beside_times,
         "gc": pauses.seconds,
     }
 
@@ -448,7 +459,17 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         for p, g in zip(params, grads):
             setattr(p, attribute, g)
 
-    times = timed(optimizer.step, device, args.repeats, args.warmup, before=hand_out_grads)
+    chosen = offloaded_sizes(args, fraction) if args.paired else []
+    adam = host_adam(chosen, value_generator(device, seed=1), device) if chosen else None
+    times = timed(
+        optimizer.step,
+        device,
+        args.repeats,
+        args.warmup,
+        before=hand_out_grads,
+        beside=None if adam is None else adam.step,
+    )
+    del adam
     digest = hashlib.sha256()
     for param in params:
         digest.update(param.detach().cpu().view(torch.int16).numpy().tobytes())
@@ -463,6 +484,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         "digest": digest.hexdigest(),
         "module": defining_file(hdo_class),
         "host_optimizers": len(optimizer.cpu_optimizers),
+        "paired": [list(pair) for pair in zip(times["times"], times["beside"])],
     }
     if args.breakdown:  # after the digest: these steps change the parameters
         result["breakdown_ms"] = breakdown(optimizer, hand_out_grads)
@@ -517,6 +539,7 @@ def run_worker(args, name, fraction, overlap):
         args.grads,
         *(["--breakdown"] if args.breakdown else []),
         *(["--profile"] if args.profile else []),
+        *(["--paired"] if args.paired else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -606,6 +629,16 @@ def parse_args(argv=None):
             help=f"also time the fork with {times}, in the same run (row: {name})",
         )
     parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="also time host AdamW alone over the offloaded tensors in each row's own process, "
+        "right before each timed step, and hold each step against the limit taken with that "
+        "time (max(that AdamW, D2H, H2D)): /paired is the median of those ratios, paired adam "
+        "s the median of those AdamW times. The host's bandwidth drifts over the minutes a "
+        "case's rows take, which the limit's one timing before and after them cannot follow; "
+        "the process then holds a second set of the offloaded tensors' host values",
+    )
+    parser.add_argument(
         "--bucket-mib",
         nargs="+",
         type=int,
@@ -658,10 +691,16 @@ COLUMNS = [
     ("/limit", 6, lambda r: f"{r['ratio_limit']:.2f}"),
     ("/contended", 10, lambda r: f"{r['ratio_contended']:.2f}"),
     ("/fp32 contended", 15, lambda r: f"{r['ratio_fp32_contended']:.2f}"),
+    ("/paired", 7, lambda r: "-" if r["ratio_paired"] is None else f"{r['ratio_paired']:.2f}"),
     ("pinned MiB", 10, lambda r: f"{r['pinned_held_mib']:.1f}"),
     ("live MiB", 8, lambda r: f"{r['pinned_live_mib']:.1f}"),
     ("adam s", 6, lambda r: f"{r['floor']['adam']:.3f}"),
     ("before/after s", 14, lambda r: "/".join(f"{t:.3f}" for t in adam_times(r["floor"]))),
+    (
+        "paired adam s",
+        13,
+        lambda r: "-" if r["paired_adam_s"] is None else f"{r['paired_adam_s']:.3f}",
+    ),
     ("adam flat s", 11, lambda r: f"{r['floor'].get('adam_flat', float('nan')):.3f}"),
     ("d2h s", 6, lambda r: f"{r['floor']['d2h']:.3f}"),
     ("h2d s", 6, lambda r: f"{r['floor']['h2d']:.3f}"),
@@ -687,6 +726,7 @@ def combined(rounds):
         "outside": statistics.median(result["outside"] for result in rounds),
         "gc": sum(result.get("gc", 0.0) for result in rounds),
         "worker_s": sum(result["worker_s"] for result in rounds),
+        "paired": [pair for result in rounds for pair in result.get("paired", [])],
     }
     for key in ("pinned_held", "pinned_live"):
         result[key] = max(result[key] for result in rounds)
@@ -708,6 +748,10 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         floor.get("d2h_fp32", 0.0),
         floor.get("h2d_fp32", 0.0),
     )
+    # Each timed step against host AdamW timed alone just before it, in the same process.
+    paired = [
+        step / max(adam, floor["d2h"], floor["h2d"]) for step, adam in result.get("paired", [])
+    ]
     return {
         "case": case,
         "fraction": fraction,
@@ -729,6 +773,8 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         "ratio_contended": result["step"] / contended if contended else float("nan"),
         "limit_fp32_contended_s": moved,
         "ratio_fp32_contended": result["step"] / moved if moved else float("nan"),
+        "paired_adam_s": statistics.median(a for _, a in result["paired"]) if paired else None,
+        "ratio_paired": statistics.median(paired) if paired else None,
         "pinned_held_mib": result["pinned_held"] / 2**20,
         "pinned_live_mib": result["pinned_live"] / 2**20,
         "floor": floor,
@@ -826,7 +872,9 @@ def main():
         "the limits); contended = the "
         "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); fp32 "
         "contended = the same with the fp32 copies the fork moves (adam|fp32, and those copies' "
-        "own times), not one of the issue's bounds; step = "
+        "own times), not one of the issue's bounds; /paired (--paired) = the median over the "
+        "timed steps of each step against the limit with AdamW alone timed just before it in "
+        "the row's own process (paired adam, their median); step = "
         "median of step() alone (the median over --rounds processes; min-max over all their "
         "steps); per process = each process's median step; outside = the benchmark's own work "
         "per step (handing out gradients), not in step; gc = seconds Python's garbage collector "

@@ -190,6 +190,37 @@ def test_a_bucket_row_steps_smaller_host_buckets_to_the_same_values():
     assert benchmark.parse_args(["--bucket-mib", "4", "16"]).bucket_mib == [4, 16]
 
 
+def test_paired_rows_hold_each_step_against_adamw_timed_just_before_it():
+    """``--paired`` times host AdamW alone right before each timed step, in the row's own
+    process, and the row's /paired is the median of each step over the limit taken with it."""
+    calls = []
+    times = benchmark.timed(
+        lambda: calls.append("step"), "cpu", 3, warmup=2, beside=lambda: calls.append("adam")
+    )
+    assert calls == ["step", "adam", "step", "adam", "step", "adam", "step", "adam", "step"]
+    assert len(times["times"]) == len(times["beside"]) == 3
+
+    floor = {"adam": 0.1, "d2h": 0.08, "h2d": 0.06, "adam_beside_copies": 0.1}
+    result = {"step": 0.25, "step_min": 0.2, "step_max": 0.3, "outside": 0.0}
+    result.update(pinned_held=0, pinned_live=0)
+    result["paired"] = [[0.2, 0.1], [0.3, 0.2], [0.25, 0.05]]  # the last one: D2H is longer
+    row = benchmark.row_of("gpt", 1.0, True, "fork", result, floor, True)
+    assert row["ratio_paired"] == 2.0  # the median of 2.0, 1.5 and 0.25 / 0.08
+    assert row["paired_adam_s"] == 0.1
+    unpaired = benchmark.row_of("gpt", 1.0, True, "fork", {**result, "paired": []}, floor, True)
+    assert unpaired["ratio_paired"] is None
+    assert {name: cell(unpaired) for name, _, cell in benchmark.COLUMNS}["/paired"] == "-"
+
+    args = benchmark.parse_args(
+        ["--case", "stress", "--scale", "0.001", "--repeats", "2", "--warmup", "1", "--paired"]
+    )
+    args.case = "stress"  # main() runs the cases one at a time
+    worker = benchmark.run_worker(args, "fork", 0.5, True)
+    assert len(worker["paired"]) == 2 and all(adam > 0 for _, adam in worker["paired"])
+    args.paired = False
+    assert benchmark.run_worker(args, "fork", 0.5, True)["paired"] == []
+
+
 def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values():
     """``--grads decoupled`` hands the HDO what the precision-aware distributed optimizer does:
     parameters viewing one bf16 buffer, fp32 gradients viewing another (both back to front),
