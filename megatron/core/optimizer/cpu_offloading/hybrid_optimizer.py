@@ -90,9 +90,9 @@ _HDO_OPTIONS = (
 # and the calling thread's work per bucket (queueing its copies: ~0.1-0.2 ms each way) stays
 # small beside it, while the pipeline's ends (the first download, the last upload) stay short.
 # On an H200 host 64 MiB stepped gpt, moe and stress at 0.5 faster than 16 or 32 MiB, and gpt
-# at 1.0 faster than 16 or 4 MiB (see docs/measurements.md). A power of two, since the host allocator pins blocks of powers of
-# two: a full bucket's block and slot waste nothing, where a bucket just past the cap would
-# hold twice its bytes.
+# at 1.0 faster than 16 or 4 MiB (see docs/measurements.md). A power of two, since the host
+# allocator pins blocks of powers of two: a full bucket's block and slot waste nothing, where a
+# bucket just past the cap would hold twice its bytes.
 _HOST_BUCKET_BYTES = 64 << 20
 
 # The smallest cap size_host_buckets gives (see sized_bucket_bytes).
