@@ -10,6 +10,8 @@
 #
 # Checks:
 #   unit         every unit test (the GPU ones included)
+#   hdo          the HybridDeviceOptimizer's tests (a minute on an H200; the step's copies,
+#                streams and TE's in-place step are only exercised with CUDA)
 #   upstream-off the tests that a fix needs, against upstream 0.19.2 (MEGATRON_OPTIMIZER_FORK=0):
 #                they must fail there
 #   resume-w1    checkpoint resume matrix, world size 1, all directions (tools/distopt_resume.py)
@@ -34,6 +36,9 @@ mkdir -p "$OUT_DIR"
 cd "$REPO_ROOT"
 
 RESUME=tests/unit_tests/test_distrib_optimizer_resume.py
+HDO_TESTS=(
+    tests/unit_tests/test_optimizer_cpu_offloading.py tests/unit_tests/test_hybrid_optimizer_*.py
+)
 # Tests written for fixes (HDO ring and pinning, decoupled gradients, lazy build, bucketing).
 FIX_TESTS="bit_for_bit or ring or slots or slot_stages or decoupled or pins_no_more or first_use"
 FIX_TESTS="$FIX_TESTS or replace or bucketed or small"
@@ -58,6 +63,7 @@ run_resume() {
 for check in "$@"; do
     case "$check" in
         unit) run_pytest unit tests/unit_tests --deselect "$RESUME" ;;
+        hdo) run_pytest hdo "${HDO_TESTS[@]}" ;;
         upstream-off)
             MEGATRON_OPTIMIZER_FORK=0 run_pytest upstream-off \
                 tests/unit_tests/test_optimizer_cpu_offloading.py -k "$FIX_TESTS"
