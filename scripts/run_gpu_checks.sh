@@ -10,8 +10,8 @@
 #
 # Checks:
 #   unit         every unit test (the GPU ones included)
-#   hdo          the HybridDeviceOptimizer's tests (a minute on an H200; the step's copies,
-#                streams and TE's in-place step are only exercised with CUDA)
+#   hdo          the HybridDeviceOptimizer's test files (its step's copies, streams and TE's
+#                in-place step are only exercised with CUDA)
 #   upstream-off the tests that a fix needs, against upstream 0.19.2 (MEGATRON_OPTIMIZER_FORK=0):
 #                they must fail there
 #   resume-w1    checkpoint resume matrix, world size 1, all directions (tools/distopt_resume.py)
