@@ -1,16 +1,18 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 # pylint: disable=bad-builtin
-"""Host AdamW beside the HDO's copies' DMA, and AdamW on gradients widened on the host.
+"""Host AdamW beside the HDO's copies' DMA, and AdamW with bf16 copies converted on the host.
 
-Two questions about the offloaded step's limit. First, how much slower fused host AdamW runs
+Three questions about the offloaded step's limit. First, how much slower fused host AdamW runs
 while the copies of a pipelined step move through host memory beside it: AdamW steps the
 tensors one by one while, per tensor, the next one's gradient comes down and the previous one's
 master goes up, in fp32 (what the HDO moves: fp32 masters, gradients widened on the device) or
 in bf16 (what the floor counts), both ways or one. Second, whether moving bf16 gradients and
 widening them on the host would pay: AdamW over chunks of each tensor, each chunk's gradient
 widened into a small fp32 buffer first, against AdamW over the whole tensor with fp32
-gradients. Prints one line per measurement (median ms over ``--repeats``); without CUDA only
-the host-only ones.
+gradients. Third, whether moving bf16 masters up would pay: each master narrowed on the host
+right after its step (while it may still be in the last-level cache) and half the bytes
+uploaded, against the fp32 upload beside AdamW. Prints one line per measurement (median ms over
+``--repeats``); without CUDA only the host-only ones.
 """
 
 import argparse
@@ -102,6 +104,43 @@ def beside_copies(adam: HostAdam, dtype: torch.dtype, directions: str) -> Callab
     return run
 
 
+def narrowed_uploads(adam: HostAdam, down: bool) -> Callable[[], None]:
+    """AdamW tensor by tensor, each stepped master then narrowed to bf16 on the host, into one
+    of two pinned buffers, and uploaded from there (where CUDA exists): half the bytes of an
+    fp32 upload cross the bus, at the cost of a host pass over the master right after its step,
+    while it may still be in the last-level cache. With ``down`` the next gradient comes down
+    in fp32 beside each step, as in :func:`beside_copies`. The buffers are ``run.staged``."""
+    numel, count = adam.params[0].numel(), len(adam.params)
+    cuda = torch.cuda.is_available()
+    staged = [torch.empty(numel, dtype=torch.bfloat16, pin_memory=cuda) for _ in range(2)]
+    if cuda:
+        device_params = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
+        device_grads = torch.empty(numel, device="cuda")
+        down_stream, up_stream = torch.cuda.Stream(), torch.cuda.Stream()
+        uploaded = [torch.cuda.Event(), torch.cuda.Event()]
+
+    def run():
+        for index in range(count):
+            if cuda and down:
+                with torch.cuda.stream(down_stream):
+                    adam.grads[(index + 1) % count].copy_(device_grads, non_blocking=True)
+            adam.steps[index] += 1
+            adam.step_one(index)
+            buffer = staged[index % 2]
+            if cuda:
+                uploaded[index % 2].synchronize()  # its last upload has read the buffer
+            buffer.copy_(adam.params[index])
+            if cuda:
+                with torch.cuda.stream(up_stream):
+                    device_params.copy_(buffer, non_blocking=True)
+                    uploaded[index % 2].record(up_stream)
+        if cuda:
+            up_stream.synchronize()
+
+    run.staged = staged
+    return run
+
+
 def widened_in_chunks(adam: HostAdam, tensors: int, chunk: int) -> Callable[[], None]:
     """AdamW over the first ``tensors`` tensors with bf16 gradients, each chunk of ``chunk``
     elements widened into one fp32 buffer before its kernel call."""
@@ -124,11 +163,16 @@ def measure(args) -> Dict[str, float]:
     """Every measurement, by label, in ms."""
     adam = HostAdam(args.tensors, args.numel)
     results = {f"adam alone, {args.tensors} tensors": median_ms(adam.step_all, args.repeats)}
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         for dtype in (torch.float32, torch.bfloat16):
             for directions in ("du", "d", "u"):
                 label = f"adam beside {str(dtype).split('.')[-1]} copies, {directions}"
                 results[label] = median_ms(beside_copies(adam, dtype, directions), args.repeats)
+    ways = [(False, "adam, ")] + [(True, "adam beside float32 copies, d, ")] * cuda
+    for down, label in ways:
+        label += "bfloat16 u narrowed on the host"
+        results[label] = median_ms(narrowed_uploads(adam, down), args.repeats)
     few = min(args.chunk_tensors, args.tensors)
     whole = lambda: [adam.step_one(i) for i in range(few)]  # noqa: E731
     results[f"adam whole, fp32 grads, {few} tensors"] = median_ms(whole, args.repeats)

@@ -351,6 +351,29 @@ def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeyp
             assert figures["cap"] * (1 << 20) < hybrid_optimizer._HOST_BUCKET_BYTES
 
 
+def test_the_narrowing_benchmark_steps_every_tensor_and_stages_its_bf16_master():
+    """``host_adam_dma.py``'s host-narrowed uploads step AdamW over every tensor, as a plain
+    step does, and stage each stepped master narrowed to bf16 (the last two are left in the
+    two buffers)."""
+    import host_adam_dma  # pylint: disable=import-outside-toplevel
+
+    results = []
+    for narrowed in (False, True):
+        torch.manual_seed(0)
+        adam = host_adam_dma.HostAdam(tensors=3, numel=4096 + 64)
+        if narrowed:
+            run = host_adam_dma.narrowed_uploads(adam, down=False)
+            run()
+        else:
+            adam.step_all()
+        results.append(adam)
+    plain, narrowed = results
+    for a, b in zip(plain.params + plain.exp_avgs, narrowed.params + narrowed.exp_avgs):
+        assert torch.equal(a, b)
+    assert torch.equal(run.staged[0], narrowed.params[2].to(torch.bfloat16))
+    assert torch.equal(run.staged[1], narrowed.params[1].to(torch.bfloat16))
+
+
 def test_the_widening_benchmark_steps_chunks_exactly_as_the_whole_tensors():
     """``host_adam_dma.py`` compares AdamW over bf16 gradients widened chunk by chunk with AdamW
     over the same gradients in fp32: the same work, element for element."""
