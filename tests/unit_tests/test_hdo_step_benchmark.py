@@ -351,27 +351,38 @@ def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeyp
             assert figures["cap"] * (1 << 20) < hybrid_optimizer._HOST_BUCKET_BYTES
 
 
+def _stepped_plainly_and_by(stepping):
+    """Two ``host_adam_dma.HostAdam`` of the same values: one after its plain step, one after
+    ``stepping(adam)``; the first values of the second, as they were."""
+    import host_adam_dma  # pylint: disable=import-outside-toplevel
+
+    results = []
+    for step in (host_adam_dma.HostAdam.step_all, stepping):
+        torch.manual_seed(0)
+        adam = host_adam_dma.HostAdam(tensors=3, numel=4096 + 64)
+        before = adam.params[0].clone()
+        step(adam)
+        results.append(adam)
+    for a, b in zip(*(adam.params + adam.exp_avgs + adam.exp_avg_sqs for adam in results)):
+        assert torch.equal(a, b)
+    return results[1], before
+
+
 def test_the_narrowing_benchmark_steps_every_tensor_and_stages_its_bf16_master():
     """``host_adam_dma.py``'s host-narrowed uploads step AdamW over every tensor, as a plain
     step does, and stage each stepped master narrowed to bf16 (the last two are left in the
     two buffers)."""
     import host_adam_dma  # pylint: disable=import-outside-toplevel
 
-    results = []
-    for narrowed in (False, True):
-        torch.manual_seed(0)
-        adam = host_adam_dma.HostAdam(tensors=3, numel=4096 + 64)
-        if narrowed:
-            run = host_adam_dma.narrowed_uploads(adam, down=False)
-            run()
-        else:
-            adam.step_all()
-        results.append(adam)
-    plain, narrowed = results
-    for a, b in zip(plain.params + plain.exp_avgs, narrowed.params + narrowed.exp_avgs):
-        assert torch.equal(a, b)
-    assert torch.equal(run.staged[0], narrowed.params[2].to(torch.bfloat16))
-    assert torch.equal(run.staged[1], narrowed.params[1].to(torch.bfloat16))
+    runs = []
+
+    def narrowed(adam):
+        runs.append(host_adam_dma.narrowed_uploads(adam, down=False))
+        runs[0]()
+
+    adam, _ = _stepped_plainly_and_by(narrowed)
+    assert torch.equal(runs[0].staged[0], adam.params[2].to(torch.bfloat16))
+    assert torch.equal(runs[0].staged[1], adam.params[1].to(torch.bfloat16))
 
 
 def test_the_widening_benchmark_steps_chunks_exactly_as_the_whole_tensors():
@@ -379,17 +390,7 @@ def test_the_widening_benchmark_steps_chunks_exactly_as_the_whole_tensors():
     over the same gradients in fp32: the same work, element for element."""
     import host_adam_dma  # pylint: disable=import-outside-toplevel
 
-    results = []
-    for chunked in (False, True):
-        torch.manual_seed(0)
-        adam = host_adam_dma.HostAdam(tensors=3, numel=4096 + 64)
-        before = adam.params[0].clone()
-        if chunked:
-            host_adam_dma.widened_in_chunks(adam, tensors=3, chunk=1024)()
-        else:
-            adam.step_all()
-        results.append(adam)
-    whole, chunked = results
-    for a, b in zip(whole.params + whole.exp_avg_sqs, chunked.params + chunked.exp_avg_sqs):
-        assert torch.equal(a, b)
+    chunked, before = _stepped_plainly_and_by(
+        lambda adam: host_adam_dma.widened_in_chunks(adam, tensors=3, chunk=1024)()
+    )
     assert not torch.equal(chunked.params[0], before)  # the steps did step
