@@ -13,8 +13,9 @@
 # Both folders are git-ignored; name them in the device call's carry. The calls are limited to
 # 64 MiB each, so TE's five parts travel one per call (`mkdir -p ~/te && mv .te/te.part.aa
 # ~/te/`; carry no more than .whl beside one), in calls close enough that the machine stays
-# warm; the last call carries .te/extra and the last part and installs. PYTHONPATH entries are no site folders, so a .pth in the machine's
-# own site-packages makes ~/site one, and the fork's overlay hook (a .pth) runs at start-up.
+# warm; the last call carries .te/extra and the last part and installs. PYTHONPATH entries are
+# no site folders, so a .pth in the machine's own site-packages makes ~/site one, and the
+# fork's overlay hook (a .pth) runs at start-up.
 
 _device_wheels_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -55,7 +56,7 @@ case "${1:-}" in
     prepare) _device_wheels_prepare "${2:-}" ;;
     install) _device_wheels_install "${2:-}" ;;
     *)
-        sed -n '4,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '4,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         [[ "${1:-}" == -h || "${1:-}" == --help ]]
         ;;
 esac

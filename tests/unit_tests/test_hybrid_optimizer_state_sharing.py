@@ -46,6 +46,8 @@ def copies(request, monkeypatch):
 
 
 def test_the_parts_variant_moves_its_first_copy_in_parts(copies):
+    """The fixture's parts variant is what it says: the first copy, and it alone, moves in two
+    parts (so each test of this file also covers a copy in parts)."""
     for fraction in (0.5, 1.0):
         params, optimizer = make(fraction)
         train(params, optimizer, 1, seed=1)
