@@ -663,7 +663,8 @@ def parse_args(argv=None):
         "--breakdown",
         action="store_true",
         help="after the timed steps, time the parts of the fork's step (host steps, copies' "
-        "queueing, the in-place step) over three more and print them under its row",
+        "queueing, the in-place step, the waits for downloads and the last uploads) over three "
+        "more and print them under its row",
     )
     parser.add_argument(
         "--profile",

@@ -29,6 +29,16 @@ PARTS = {
 }
 """The HDO's methods timed, and the name each is reported under."""
 
+WAITS = {
+    # The host waits for each bucket's gradients to land before stepping it (the host step is
+    # the only caller of an event's synchronize), and for the last uploads at the end of the
+    # step (a stream's); time spent there is time the pipeline did not hide.
+    torch.cuda.Event: "download wait",
+    torch.cuda.Stream: "last upload wait",
+}
+"""Where CUDA exists, the classes whose ``synchronize`` is timed, and the name each wait is
+reported under."""
+
 
 @contextlib.contextmanager
 def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator[None]:
@@ -62,8 +72,9 @@ def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str
         steps: steps to average over.
 
     Returns:
-        ``{part: ms per step}`` with ``step`` (the whole step) and ``host step`` (the host
-        buckets' sub-optimizer steps); empty where the optimizer has none of the fork's parts.
+        ``{part: ms per step}`` with ``step`` (the whole step), ``host step`` (the host
+        buckets' sub-optimizer steps) and, where CUDA exists, the waits (``WAITS``); empty
+        where the optimizer has none of the fork's parts.
     """
     buckets = getattr(optimizer, "_buckets", None)
     if buckets is None or not all(hasattr(optimizer, name) for name in PARTS):
@@ -72,6 +83,9 @@ def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str
     with contextlib.ExitStack() as stack:
         for name, label in PARTS.items():
             stack.enter_context(_timing(optimizer, name, label, totals))
+        if torch.cuda.is_available():
+            for waiter, label in WAITS.items():
+                stack.enter_context(_timing(waiter, "synchronize", label, totals))
         timed = set()
         for bucket in buckets:
             # The parts of a large copy share one sub-optimizer, which their part step calls

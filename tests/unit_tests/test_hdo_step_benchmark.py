@@ -248,6 +248,26 @@ def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values()
     assert len(digests) == 1
 
 
+def _stepped_hdo(hybrid_optimizer, numels, device, fraction):
+    """Parameters of ``numels`` elements on ``device``, an HDO over them stepped once, and
+    what hands out their gradients."""
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in numels]
+    hdo = hybrid_optimizer.HybridDeviceOptimizer(
+        [{"params": params}],
+        offload_fraction=fraction,
+        lr=1e-3,
+        cpu_optimizer_cls=torch.optim.AdamW,
+    )
+
+    def grads():
+        for param in params:
+            param.grad = torch.ones_like(param)
+
+    grads()
+    hdo.step()
+    return params, hdo, grads
+
+
 def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     """The parts are timed within the step and the optimizer is left as it was: its methods
     are its class's again, and a later step runs untimed."""
@@ -257,22 +277,30 @@ def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
         pytest.skip("the parts are the fork's methods")
     split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (64, 3, 1000)]
-    hdo = hybrid_optimizer.HybridDeviceOptimizer(
-        [{"params": params}], offload_fraction=0.5, lr=1e-3, cpu_optimizer_cls=torch.optim.AdamW
-    )
-
-    def grads():
-        for param in params:
-            param.grad = torch.ones_like(param)
-
-    grads()
-    hdo.step()
+    params, hdo, grads = _stepped_hdo(hybrid_optimizer, (64, 3, 1000), "cpu", 0.5)
     parts = split.breakdown(hdo, grads, steps=2)
     assert {"step", "host step", "download queueing", "upload queueing"} <= set(parts)
     assert sum(v for k, v in parts.items() if k != "step") <= parts["step"] * 1.01
     assert "_download" not in vars(hdo) and "step" not in vars(hdo._buckets[0].optimizer)
     assert split.breakdown(torch.optim.AdamW(params), grads) == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the waits are for CUDA copies")
+def test_the_breakdown_times_the_step_s_waits_for_the_copies_apart():
+    """Offloaded to the host, the step waits for each bucket's download and for its last
+    uploads; both waits are reported, inside the step's time, and the classes are restored."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        pytest.skip("the parts are the fork's methods")
+    split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
+    _, hdo, grads = _stepped_hdo(hybrid_optimizer, (1 << 20, 4096, 1 << 18), "cuda", 1.0)
+    originals = {waiter: vars(waiter)["synchronize"] for waiter in split.WAITS}
+    parts = split.breakdown(hdo, grads, steps=2)
+    assert {"download wait", "last upload wait"} <= set(parts)
+    assert sum(v for k, v in parts.items() if k != "step") <= parts["step"] * 1.01
+    assert all(vars(waiter)["synchronize"] is originals[waiter] for waiter in split.WAITS)
 
 
 def test_the_host_thread_benchmark_steps_every_bucket_on_the_worker_as_on_the_caller():
