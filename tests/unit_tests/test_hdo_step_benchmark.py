@@ -248,9 +248,15 @@ def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values()
     assert len(digests) == 1
 
 
-def _stepped_hdo(hybrid_optimizer, numels, device, fraction):
-    """Parameters of ``numels`` elements on ``device``, an HDO over them stepped once, and
-    what hands out their gradients."""
+def _stepped_hdo(numels, device, fraction):
+    """Parameters of ``numels`` elements on ``device``, the fork's HDO over them stepped once,
+    and what hands out their gradients (skips where the module is upstream's: the breakdown
+    times the fork's own methods)."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        pytest.skip("the parts are the fork's methods")
     params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in numels]
     hdo = hybrid_optimizer.HybridDeviceOptimizer(
         [{"params": params}],
@@ -271,13 +277,8 @@ def _stepped_hdo(hybrid_optimizer, numels, device, fraction):
 def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     """The parts are timed within the step and the optimizer is left as it was: its methods
     are its class's again, and a later step runs untimed."""
-    # pylint: disable=import-outside-toplevel
-    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
-
-    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
-        pytest.skip("the parts are the fork's methods")
     split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
-    params, hdo, grads = _stepped_hdo(hybrid_optimizer, (64, 3, 1000), "cpu", 0.5)
+    params, hdo, grads = _stepped_hdo((64, 3, 1000), "cpu", 0.5)
     parts = split.breakdown(hdo, grads, steps=2)
     assert {"step", "host step", "download queueing", "upload queueing"} <= set(parts)
     assert sum(v for k, v in parts.items() if k != "step") <= parts["step"] * 1.01
@@ -289,13 +290,8 @@ def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
 def test_the_breakdown_times_the_step_s_waits_for_the_copies_apart():
     """Offloaded to the host, the step waits for each bucket's download and for its last
     uploads; both waits are reported, inside the step's time, and the classes are restored."""
-    # pylint: disable=import-outside-toplevel
-    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
-
-    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
-        pytest.skip("the parts are the fork's methods")
     split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
-    _, hdo, grads = _stepped_hdo(hybrid_optimizer, (1 << 20, 4096, 1 << 18), "cuda", 1.0)
+    _, hdo, grads = _stepped_hdo((1 << 20, 4096, 1 << 18), "cuda", 1.0)
     originals = {waiter: vars(waiter)["synchronize"] for waiter in split.WAITS}
     parts = split.breakdown(hdo, grads, steps=2)
     assert {"download wait", "last upload wait"} <= set(parts)
