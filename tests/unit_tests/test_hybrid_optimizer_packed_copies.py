@@ -192,6 +192,24 @@ def test_packed_buckets_match_upstream_bit_for_bit(fraction, monkeypatch):
 
 
 @requires_cuda
+def test_a_step_on_the_callers_own_stream_leaves_that_stream_current(monkeypatch):
+    """A step queued from a stream of the caller's own (a training loop that runs its
+    optimizer on a side stream) waits for that stream's gradients and leaves it current: the
+    copies' switches to their streams come back to the stream the step began on, not to the
+    default one."""
+    side = torch.cuda.Stream()
+
+    def still_on_side(optimizer, step):  # pylint: disable=unused-argument
+        assert torch.cuda.current_stream() == side
+
+    with torch.cuda.stream(side):
+        on_side = run(1.0, BUCKET_BYTES, monkeypatch, between=still_on_side, grads=every_grad)
+    torch.cuda.synchronize()
+    assert packed_buckets(on_side[1])
+    assert_same(on_side, run(1.0, BUCKET_BYTES, monkeypatch, grads=every_grad))
+
+
+@requires_cuda
 def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
     """Ring slots plus pinned blocks: the process pins (in the host allocator's blocks) no
     more than upstream would for the same parameters, and the blocks pinned first are the first

@@ -266,6 +266,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
         # H2D event of each ring slot that a pageable copy is going up through (in a step).
         self._slot_uploads: Dict[int, Any] = {}
+        # The event each ring slot records its staged uploads with, made once.
+        self._slot_upload_events: Dict[int, Any] = {}
+        # The stream current when the step began, to come back to from the side streams
+        # (None outside a step, or where the side streams are on another device).
+        self._step_stream = None
         self._state_changes = StateChanges()
         self.state = StateMap(self._entry_of)
         self._load_guard = checks.LoadGuard(type(self).__name__)
@@ -763,18 +768,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._settle_state_written_outside()
         self._allocate_ring()
         lent = self._lend_decoupled_grads()
-        for stream in (self._d2h_stream, self._h2d_stream):
-            if stream is not None:  # the gradients and parameters are the current stream's
-                stream.wait_stream(torch.cuda.current_stream())
         steps_before = [sub_group.get("step") for sub_group, _ in self._sub_groups]
 
         # D2H -> host step -> H2D, one bucket after the other. A bucket's slot is free again
         # once its host step has returned and its upload is queued, so that is when the
         # download of the bucket that reuses the slot is queued (behind the upload, on the D2H
         # stream, where a pageable copy goes up through the slot).
-        for index in self._ring_plan.first_downloads:
-            self._download(index)
         try:
+            self._step_stream = self._side_streams_follow_current()
+            for index in self._ring_plan.first_downloads:
+                self._download(index)
             # While the first downloads run; on the calling thread, since on a worker its Python
             # and the host steps' would wait for each other's GIL (see docs/measurements.md).
             self._step_in_place_whole()
@@ -790,9 +793,21 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 # write a copy still being read.
                 self._h2d_stream.synchronize()
             self._slot_uploads.clear()
+            self._step_stream = None
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
+
+    def _side_streams_follow_current(self):
+        """Make the copy streams wait for the current stream, whose gradients and parameters
+        they move; that stream, to come back to from them, where all are on one device."""
+        if self._d2h_stream is None:
+            return None
+        current = torch.cuda.current_stream()
+        for stream in (self._d2h_stream, self._h2d_stream):
+            stream.wait_stream(current)
+        same = current.device == self._d2h_stream.device == self._h2d_stream.device
+        return current if same else None
 
     def _flat_in_place_step(self) -> Optional[FlatInPlaceStep]:
         """The flat in-place step of the in-place sub-optimizer of the moment, if it is on."""
@@ -952,7 +967,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if bucket.part is None and host.grad is not lent:  # a part lends no whole view
                 host.grad = lent
         grads = bucket.kept(grads)
-        with _on_stream(self._d2h_stream):
+        with _on_stream(self._d2h_stream, self._step_stream):
             staged_upload = self._slot_uploads.pop(bucket.slot, None)
             if staged_upload is not None:  # the slot still holds a copy on its way up
                 self._d2h_stream.wait_event(staged_upload)
@@ -972,9 +987,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
                     staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
             if self._d2h_stream is not None:
-                self._cpu_optimizer_map_data_event[bucket.event_key] = (
-                    self._d2h_stream.record_event()
-                )
+                if bucket.landed is None:
+                    bucket.landed = torch.cuda.Event()
+                bucket.landed.record(self._d2h_stream)
+                self._cpu_optimizer_map_data_event[bucket.event_key] = bucket.landed
 
     def _upload(self, bucket: _Bucket, staged_in_slot: bool):
         """Queue the H2D of the bucket's host copies just stepped into their parameters.
@@ -993,7 +1009,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return
         stage = staged_in_slot and self._ring_plan.pin_slots
         staged = False
-        with _on_stream(self._h2d_stream):
+        with _on_stream(self._h2d_stream, self._step_stream):
             if bucket.master is not None:
                 source = bucket.master
                 if stage and not bucket.pinned[0]:
@@ -1035,7 +1051,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Where a copy went up through the bucket's slot, keep the upload's event for the
         download that reuses the slot (``_download`` waits for it on the D2H stream)."""
         if staged and bucket.follower is not None:
-            self._slot_uploads[bucket.slot] = self._h2d_stream.record_event()
+            event = self._slot_upload_events.get(bucket.slot)
+            if event is None:
+                event = self._slot_upload_events[bucket.slot] = torch.cuda.Event()
+            event.record(self._h2d_stream)
+            self._slot_uploads[bucket.slot] = event
 
     def _mirror_group_steps(self, steps_before: List[Any]):
         """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""

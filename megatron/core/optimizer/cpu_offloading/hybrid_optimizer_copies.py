@@ -164,6 +164,8 @@ class _Bucket:
         part: the element range of its one host copy that this bucket moves, where the copy
             moves in parts (``hybrid_optimizer_parts``); None for the whole copy.
         parted: the step shared by the parts of that copy (``PartedCopy``), or None.
+        landed: the CUDA event its download records, made once and recorded again each step
+            (each step waits for it before the next download of the bucket is queued).
     """
 
     optimizer: torch.optim.Optimizer
@@ -184,6 +186,7 @@ class _Bucket:
     flat: Any = None
     part: Optional[Tuple[int, int]] = None
     parted: Any = None
+    landed: Any = None
 
     @property
     def event_key(self) -> Any:
@@ -245,6 +248,35 @@ def _widened(grads: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]
     return [None if grad is None else next(widened) for grad in grads]
 
 
-def _on_stream(stream):
-    """``torch.cuda.stream(stream)``, or nothing on a host without CUDA."""
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+class _SwitchStream:
+    """Queue work on ``stream``, then make ``back`` current again.
+
+    ``torch.cuda.stream`` asks which stream is current on every entry; a step enters a side
+    stream twice a bucket, so it reads the current stream once and hands it in here.
+    """
+
+    __slots__ = ("stream", "back")
+
+    def __init__(self, stream, back):
+        self.stream, self.back = stream, back
+
+    def __enter__(self):
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc):
+        torch.cuda.set_stream(self.back)
+
+
+def _on_stream(stream, current=None):
+    """``torch.cuda.stream(stream)``, or nothing on a host without CUDA.
+
+    Args:
+        stream: the side stream, or None.
+        current: the stream current on ``stream``'s device when the caller read it, to come
+            back to without asking again; None to ask.
+    """
+    if stream is None:
+        return contextlib.nullcontext()
+    if current is None:
+        return torch.cuda.stream(stream)
+    return _SwitchStream(stream, current)
