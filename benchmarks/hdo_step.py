@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import List
 
 import torch
 from hdo_cases import CASES, case_numels
@@ -182,23 +183,34 @@ class CollectorPauses:
         gc.callbacks.remove(self)
 
 
-def timed(fn, device, repeats, warmup=1, before=None, beside=None):
+def timed(fn, device, repeats, warmup=1, before=None, beside=None, block=1):
     """Wall times of ``fn`` over ``repeats`` runs after ``warmup`` runs, and of ``before``.
 
     ``before`` (the benchmark's own work, such as handing out gradients) runs ahead of each
     call and is timed on its own, outside the time of ``fn``. ``beside`` (a reference to hold
-    ``fn`` against) runs right before each timed call of ``fn``, and once in the warm-up,
-    timed on its own. A full collection runs after the warm-up, so that the objects the first
-    calls made (the optimizer's state) are not collected inside a timed call; collections that
-    still land in one are counted.
+    ``fn`` against) runs in blocks of ``block`` calls, one block before every ``block`` timed
+    calls of ``fn`` and one after the last, so that each timed call has a block on either side
+    (see :func:`block_references`); it also runs once, untimed, in the warm-up. A full
+    collection runs after the warm-up, so that the objects the first calls made (the
+    optimizer's state) are not collected inside a timed call; collections that still land in
+    one are counted.
 
     Returns:
         ``{"median", "min", "max"}`` of ``fn``, ``"times"``, its timed calls in order,
-        ``"outside"``, the median of ``before``, ``"beside"``, the times of ``beside`` before
-        each timed call (empty without it), and ``"gc"``, the seconds the collector ran inside
-        the timed calls of ``fn``, in all.
+        ``"outside"``, the median of ``before``, ``"beside"``, each timed call's reference time
+        (empty without ``beside``), ``"beside_blocks"``, the times of each block, and ``"gc"``,
+        the seconds the collector ran inside the timed calls of ``fn``, in all.
     """
-    outside, times, beside_times = [], [], []
+    outside, times, blocks = [], [], []
+
+    def reference_block():
+        block_times = []
+        for _ in range(block):
+            start = time.perf_counter()
+            beside()
+            block_times.append(time.perf_counter() - start)
+        blocks.append(block_times)
+
     with CollectorPauses() as pauses:
         for index in range(warmup + repeats):
             if before is not None:
@@ -207,11 +219,10 @@ def timed(fn, device, repeats, warmup=1, before=None, beside=None):
                 before()
                 sync(device)
                 outside.append(time.perf_counter() - start)
-            if beside is not None and index >= warmup - 1:
-                start = time.perf_counter()
+            if beside is not None and index == warmup - 1:
                 beside()
-                if index >= warmup:
-                    beside_times.append(time.perf_counter() - start)
+            elif beside is not None and index >= warmup and (index - warmup) % block == 0:
+                reference_block()
             if index < warmup:
                 fn()
                 continue
@@ -224,15 +235,31 @@ def timed(fn, device, repeats, warmup=1, before=None, beside=None):
             sync(device)
             times.append(time.perf_counter() - start)
             pauses.timing = False
+        if beside is not None and repeats:
+            reference_block()
     return {
         "median": statistics.median(times),
         "min": min(times),
         "max": max(times),
         "times": times,
         "outside": statistics.median(outside) if outside else 0.0,
-        "beside": beside_times,
+        "beside": block_references(blocks, block, len(times)) if blocks else [],
+        "beside_blocks": blocks,
         "gc": pauses.seconds,
     }
+
+
+def block_references(blocks: List[List[float]], block: int, count: int) -> List[float]:
+    """The reference time of each of ``count`` timed calls made in runs of ``block`` between
+    reference ``blocks``: the mean of the medians of the blocks before and after its run.
+
+    Both neighbours count, so that a drift of the host over the run is met from either side,
+    and a call right after the reference (which may find the host as the reference left it)
+    is no more the run's only call than one further from it where ``block`` is above one.
+    """
+    medians = [statistics.median(times) for times in blocks]
+    runs = [(before + after) / 2 for before, after in zip(medians, medians[1:])]
+    return [runs[index // block] for index in range(count)]
 
 
 def sizes(args):
@@ -468,6 +495,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         args.warmup,
         before=hand_out_grads,
         beside=None if adam is None else adam.step,
+        block=max(args.paired, 1),
     )
     del adam
     digest = hashlib.sha256()
@@ -485,6 +513,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         "module": defining_file(hdo_class),
         "host_optimizers": len(optimizer.cpu_optimizers),
         "paired": [list(pair) for pair in zip(times["times"], times["beside"])],
+        "paired_blocks": times["beside_blocks"],
     }
     if args.breakdown:  # after the digest: these steps change the parameters
         result["breakdown_ms"] = breakdown(optimizer, hand_out_grads)
@@ -539,7 +568,7 @@ def run_worker(args, name, fraction, overlap):
         args.grads,
         *(["--breakdown"] if args.breakdown else []),
         *(["--profile"] if args.profile else []),
-        *(["--paired"] if args.paired else []),
+        *(["--paired", str(args.paired)] if args.paired else []),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -630,13 +659,19 @@ def parse_args(argv=None):
         )
     parser.add_argument(
         "--paired",
-        action="store_true",
+        nargs="?",
+        type=positive_int,
+        const=1,
+        default=0,
+        metavar="K",
         help="also time host AdamW alone over the offloaded tensors in each row's own process, "
-        "right before each timed step, and hold each step against the limit taken with that "
-        "time (max(that AdamW, D2H, H2D)): /paired is the median of those ratios, paired adam "
-        "s the median of those AdamW times. The host's bandwidth drifts over the minutes a "
-        "case's rows take, which the limit's one timing before and after them cannot follow; "
-        "the process then holds a second set of the offloaded tensors' host values",
+        "in blocks of K (default 1) between runs of K timed steps and after the last, and hold "
+        "each step against the limit taken with the mean of the two blocks' medians around it "
+        "(max(that AdamW, D2H, H2D)): /paired is the median of those ratios, paired adam s the "
+        "median of those AdamW times. The host's bandwidth drifts over the minutes a case's "
+        "rows take, which the limit's one timing before and after them cannot follow; a K above "
+        "1 also keeps the steps right after AdamW from being all of the steps. The process then "
+        "holds a second set of the offloaded tensors' host values",
     )
     parser.add_argument(
         "--bucket-mib",
@@ -873,9 +908,10 @@ def main():
         "the limits); contended = the "
         "same with AdamW timed beside one D2H and one H2D of those bytes (adam|copies); fp32 "
         "contended = the same with the fp32 copies the fork moves (adam|fp32, and those copies' "
-        "own times), not one of the issue's bounds; /paired (--paired) = the median over the "
-        "timed steps of each step against the limit with AdamW alone timed just before it in "
-        "the row's own process (paired adam, their median); step = "
+        "own times), not one of the issue's bounds; /paired (--paired K) = the median over the "
+        "timed steps of each step against the limit with AdamW alone timed in the row's own "
+        "process, in blocks of K before and after each run of K steps (the mean of the two "
+        "blocks' medians; paired adam, their median); step = "
         "median of step() alone (the median over --rounds processes; min-max over all their "
         "steps); per process = each process's median step; outside = the benchmark's own work "
         "per step (handing out gradients), not in step; gc = seconds Python's garbage collector "

@@ -190,15 +190,34 @@ def test_a_bucket_row_steps_smaller_host_buckets_to_the_same_values():
     assert benchmark.parse_args(["--bucket-mib", "4", "16"]).bucket_mib == [4, 16]
 
 
-def test_paired_rows_hold_each_step_against_adamw_timed_just_before_it():
-    """``--paired`` times host AdamW alone right before each timed step, in the row's own
-    process, and the row's /paired is the median of each step over the limit taken with it."""
+def test_paired_rows_hold_each_step_against_adamw_timed_around_its_run():
+    """``--paired K`` times host AdamW alone in blocks of K around each run of K timed steps,
+    in the row's own process; each step's reference is the mean of the two blocks' medians,
+    and the row's /paired is the median of each step over the limit taken with it."""
     calls = []
     times = benchmark.timed(
         lambda: calls.append("step"), "cpu", 3, warmup=2, beside=lambda: calls.append("adam")
     )
-    assert calls == ["step", "adam", "step", "adam", "step", "adam", "step", "adam", "step"]
+    assert calls == ["step", "adam", "step"] + ["adam", "step"] * 3 + ["adam"]
     assert len(times["times"]) == len(times["beside"]) == 3
+    assert [len(block) for block in times["beside_blocks"]] == [1, 1, 1, 1]
+    calls.clear()
+    times = benchmark.timed(
+        lambda: calls.append("step"),
+        "cpu",
+        5,
+        warmup=1,
+        beside=lambda: calls.append("adam"),
+        block=2,
+    )
+    runs = ["adam", "adam", "step", "step"]
+    assert calls == ["adam", "step"] + runs * 2 + ["adam", "adam", "step", "adam", "adam"]
+    assert [len(block) for block in times["beside_blocks"]] == [2, 2, 2, 2]
+    assert len(times["beside"]) == 5
+    # Medians 0.1, 0.3, 0.2 and 0.4: the runs' references 0.2, 0.25, 0.3.
+    blocks = [[0.1, 0.1], [0.2, 0.4], [0.2, 0.2], [0.4, 0.4]]
+    references = benchmark.block_references(blocks, 2, 5)
+    assert references == pytest.approx([0.2, 0.2, 0.25, 0.25, 0.3])
 
     floor = {"adam": 0.1, "d2h": 0.08, "h2d": 0.06, "adam_beside_copies": 0.1}
     result = {"step": 0.25, "step_min": 0.2, "step_max": 0.3, "outside": 0.0}
@@ -217,8 +236,14 @@ def test_paired_rows_hold_each_step_against_adamw_timed_just_before_it():
     args.case = "stress"  # main() runs the cases one at a time
     worker = benchmark.run_worker(args, "fork", 0.5, True)
     assert len(worker["paired"]) == 2 and all(adam > 0 for _, adam in worker["paired"])
-    args.paired = False
+    assert [len(block) for block in worker["paired_blocks"]] == [1, 1, 1]
+    args.paired = 2
+    worker = benchmark.run_worker(args, "fork", 0.5, True)
+    assert [len(block) for block in worker["paired_blocks"]] == [2, 2]
+    args.paired = 0
     assert benchmark.run_worker(args, "fork", 0.5, True)["paired"] == []
+    assert benchmark.parse_args(["--paired", "3"]).paired == 3
+    assert benchmark.parse_args([]).paired == 0
 
 
 def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values():
