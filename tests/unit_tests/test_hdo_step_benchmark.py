@@ -324,6 +324,31 @@ def test_the_breakdown_times_the_step_s_waits_for_the_copies_apart():
     assert all(vars(waiter)["synchronize"] is originals[waiter] for waiter in split.WAITS)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the waits are for CUDA copies")
+def test_a_download_held_up_on_its_stream_is_reported_as_the_download_wait():
+    """A kernel queued on the download stream ahead of each step's first download keeps the
+    host waiting for those gradients: the time shows as the download wait, the waits being
+    told apart (the last uploads' wait stays short)."""
+    # pylint: disable=protected-access
+    split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
+    _, hdo, grads = _stepped_hdo((1 << 20, 4096, 1 << 18), "cuda", 1.0)
+    queue_download, first = hdo._download, hdo._ring_plan.first_downloads[0]
+
+    def held_up(index):
+        if index == first:
+            with torch.cuda.stream(hdo._d2h_stream):
+                torch.cuda._sleep(100_000_000)  # at least 50 ms at a 2 GHz clock
+        queue_download(index)
+
+    hdo._download = held_up
+    try:
+        parts = split.breakdown(hdo, grads, steps=2)
+    finally:
+        del hdo._download
+    assert parts["download wait"] >= 25.0
+    assert parts["last upload wait"] < parts["download wait"] / 4
+
+
 def test_the_host_thread_benchmark_steps_every_bucket_on_the_worker_as_on_the_caller():
     threads = load_tool("../benchmarks/host_adam_threads.py", "host_adam_threads")
     on_caller, on_worker = (threads.HostBuckets(3, 64, 4) for _ in range(2))
