@@ -763,6 +763,7 @@ def combined(rounds):
         "gc": sum(result.get("gc", 0.0) for result in rounds),
         "worker_s": sum(result["worker_s"] for result in rounds),
         "paired": [pair for result in rounds for pair in result.get("paired", [])],
+        "paired_blocks": [block for result in rounds for block in result.get("paired_blocks", [])],
     }
     for key in ("pinned_held", "pinned_live"):
         result[key] = max(result[key] for result in rounds)
@@ -784,7 +785,7 @@ def row_of(case, fraction, overlap, name, result, floor, exact):
         floor.get("d2h_fp32", 0.0),
         floor.get("h2d_fp32", 0.0),
     )
-    # Each timed step against host AdamW timed alone just before it, in the same process.
+    # Each timed step against host AdamW timed alone around its run, in the same process.
     paired = [
         step / max(adam, floor["d2h"], floor["h2d"]) for step, adam in result.get("paired", [])
     ]

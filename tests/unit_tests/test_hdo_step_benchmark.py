@@ -246,6 +246,39 @@ def test_paired_rows_hold_each_step_against_adamw_timed_around_its_run():
     assert benchmark.parse_args([]).paired == 0
 
 
+def test_rounds_combine_into_one_row_keeping_every_process_s_steps_and_blocks():
+    """``--rounds``: one implementation's processes become one row, the median of their median
+    steps, the extremes of all their steps, the most pinned memory any held, and every paired
+    step and AdamW block of every process."""
+    rounds = []
+    for step, low, high, pinned in (
+        (0.2, 0.18, 0.3, 10),
+        (0.4, 0.35, 0.5, 30),
+        (0.3, 0.1, 0.31, 20),
+    ):
+        rounds.append(
+            {
+                "step": step,
+                "step_min": low,
+                "step_max": high,
+                "outside": step / 100,
+                "gc": 0.001,
+                "worker_s": 5.0,
+                "pinned_held": pinned,
+                "pinned_live": pinned - 1,
+                "paired": [[step, step / 2]],
+                "paired_blocks": [[step / 2], [step / 3]],
+            }
+        )
+    result = benchmark.combined(rounds)
+    assert result["step"] == 0.3 and result["step_per_process"] == [0.2, 0.4, 0.3]
+    assert (result["step_min"], result["step_max"]) == (0.1, 0.5)
+    assert (result["pinned_held"], result["pinned_live"]) == (30, 29)
+    assert result["outside"] == 0.003 and result["worker_s"] == 15.0
+    assert result["paired"] == [[0.2, 0.1], [0.4, 0.2], [0.3, 0.15]]
+    assert len(result["paired_blocks"]) == 6 and result["paired_blocks"][2] == [0.2]
+
+
 def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values():
     """``--grads decoupled`` hands the HDO what the precision-aware distributed optimizer does:
     parameters viewing one bf16 buffer, fp32 gradients viewing another (both back to front),

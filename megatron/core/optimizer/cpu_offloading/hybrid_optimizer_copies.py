@@ -252,7 +252,9 @@ class _SwitchStream:
     """Queue work on ``stream``, then make ``back`` current again.
 
     ``torch.cuda.stream`` asks which stream is current on every entry; a step enters a side
-    stream twice a bucket, so it reads the current stream once and hands it in here.
+    stream twice a bucket, so it reads the current stream once and hands it in here. Leaving
+    makes that stream current again, whatever was current on entry: nothing the step calls
+    between its copies may change the current stream and expect the change to last.
     """
 
     __slots__ = ("stream", "back")
