@@ -209,6 +209,40 @@ def test_a_step_on_the_callers_own_stream_leaves_that_stream_current(monkeypatch
     assert_same(on_side, run(1.0, BUCKET_BYTES, monkeypatch, grads=every_grad))
 
 
+def _steps_on_second_device(late: bool, steps: int = 3):
+    """Params on cuda:1 after ``steps`` steps called with cuda:0 current; each step's
+    gradients are written on cuda:1's current stream, behind a ~50 ms sleep where ``late``.
+    Also whether cuda:0 was current after every step."""
+    with torch.cuda.device(1):
+        params = [torch.nn.Parameter(p.detach().to("cuda:1")) for p in make_params()]
+        optimizer = make_optimizer(params, 1.0, param_update_in_fp32=True)
+    generator = torch.Generator().manual_seed(3)
+    stayed = []
+    for _ in range(steps):
+        drawn = [torch.randn(p.shape, generator=generator).to(p.device, p.dtype) for p in params]
+        with torch.cuda.device(1):
+            if late:
+                torch.cuda._sleep(100_000_000)  # pylint: disable=protected-access
+            for param, grad in zip(params, drawn):
+                param.grad = grad.clone()  # queued behind the sleep
+        optimizer.step()
+        stayed.append(torch.cuda.current_device() == 0)
+        optimizer.zero_grad()
+    torch.cuda.synchronize(1)
+    return params, optimizer, stayed
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_step_called_from_another_device_waits_for_the_gradients_device():
+    """The copies wait for the stream current on the parameters' device, where the gradients
+    are written, not for the current device's, and leave the caller's device current."""
+    with torch.cuda.device(0):
+        *late, stayed = _steps_on_second_device(late=True)
+        *settled, _ = _steps_on_second_device(late=False)
+    assert all(stayed)
+    assert_same(late, settled)
+
+
 @requires_cuda
 def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
     """Ring slots plus pinned blocks: the process pins (in the host allocator's blocks) no

@@ -183,6 +183,15 @@ def _widened_block(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
     return torch.cat(grads).to(torch.float32)
 
 
+def _recorded(event: Optional[Any], stream) -> Any:
+    """``event`` (made here the first time) recorded on ``stream``: a step records the same
+    events again rather than making and freeing one per copy."""
+    if event is None:
+        event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
 def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The gradient Megatron left for ``param`` (precision-aware mode uses ``decoupled_grad``)."""
     grad = getattr(param, "decoupled_grad", None)
@@ -799,14 +808,18 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return loss
 
     def _side_streams_follow_current(self):
-        """Make the copy streams wait for the current stream, whose gradients and parameters
-        they move; that stream, to come back to from them, where all are on one device."""
+        """Make the copy streams wait for the stream current on their device, whose gradients
+        and parameters they move, whichever device is current. Returns that stream, for the
+        copies to switch back to, where it is also the current device's; else None."""
         if self._d2h_stream is None:
             return None
-        current = torch.cuda.current_stream()
+        device = self._d2h_stream.device
+        current = torch.cuda.current_stream(device)
         for stream in (self._d2h_stream, self._h2d_stream):
             stream.wait_stream(current)
-        same = current.device == self._d2h_stream.device == self._h2d_stream.device
+        # Switching streams also makes their device current; coming back to ``current`` would
+        # then leave the caller on another device than it was.
+        same = torch.cuda.current_device() == device.index and self._h2d_stream.device == device
         return current if same else None
 
     def _flat_in_place_step(self) -> Optional[FlatInPlaceStep]:
@@ -987,9 +1000,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                         grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
                     staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
             if self._d2h_stream is not None:
-                if bucket.landed is None:
-                    bucket.landed = torch.cuda.Event()
-                bucket.landed.record(self._d2h_stream)
+                bucket.landed = _recorded(bucket.landed, self._d2h_stream)
                 self._cpu_optimizer_map_data_event[bucket.event_key] = bucket.landed
 
     def _upload(self, bucket: _Bucket, staged_in_slot: bool):
@@ -1051,11 +1062,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Where a copy went up through the bucket's slot, keep the upload's event for the
         download that reuses the slot (``_download`` waits for it on the D2H stream)."""
         if staged and bucket.follower is not None:
-            event = self._slot_upload_events.get(bucket.slot)
-            if event is None:
-                event = self._slot_upload_events[bucket.slot] = torch.cuda.Event()
-            event.record(self._h2d_stream)
-            self._slot_uploads[bucket.slot] = event
+            event = _recorded(self._slot_upload_events.get(bucket.slot), self._h2d_stream)
+            self._slot_upload_events[bucket.slot] = self._slot_uploads[bucket.slot] = event
 
     def _mirror_group_steps(self, steps_before: List[Any]):
         """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
