@@ -12,7 +12,9 @@ widened into a small fp32 buffer first, against AdamW over the whole tensor with
 gradients. Third, whether moving bf16 masters up would pay: each master narrowed on the host
 right after its step (while it may still be in the last-level cache) and half the bytes
 uploaded, against the fp32 upload beside AdamW. Prints one line per measurement (median ms over
-``--repeats``); without CUDA only the host-only ones.
+``--repeats``); without CUDA only the host-only ones. ``--threads`` times the first question at
+several host thread counts in one process: whether AdamW with a core left free (for a thread
+that queues the copies) runs as fast, alone and beside them, as with every core.
 """
 
 import argparse
@@ -159,16 +161,32 @@ def widened_in_chunks(adam: HostAdam, tensors: int, chunk: int) -> Callable[[], 
     return run
 
 
+def beside(adam: HostAdam, repeats: int, suffix: str = "") -> Dict[str, float]:
+    """AdamW alone and beside each kind of copies (where CUDA exists), by label, in ms."""
+    results = {f"adam alone, {len(adam.params)} tensors{suffix}": median_ms(adam.step_all, repeats)}
+    if torch.cuda.is_available():
+        for dtype in (torch.float32, torch.bfloat16):
+            for directions in ("du", "d", "u"):
+                label = f"adam beside {str(dtype).split('.')[-1]} copies, {directions}{suffix}"
+                results[label] = median_ms(beside_copies(adam, dtype, directions), repeats)
+    return results
+
+
 def measure(args) -> Dict[str, float]:
     """Every measurement, by label, in ms."""
     adam = HostAdam(args.tensors, args.numel)
-    results = {f"adam alone, {args.tensors} tensors": median_ms(adam.step_all, args.repeats)}
+    if not args.threads:
+        results = beside(adam, args.repeats)
+    else:
+        # One process for every count, so that the tensors and the host's state are the same.
+        default, results = torch.get_num_threads(), {}
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            results.update(beside(adam, args.repeats, f", {threads} threads"))
+        torch.set_num_threads(default)
+    if args.beside_only:
+        return results
     cuda = torch.cuda.is_available()
-    if cuda:
-        for dtype in (torch.float32, torch.bfloat16):
-            for directions in ("du", "d", "u"):
-                label = f"adam beside {str(dtype).split('.')[-1]} copies, {directions}"
-                results[label] = median_ms(beside_copies(adam, dtype, directions), args.repeats)
     ways = [(False, "adam, ")] + [(True, "adam beside float32 copies, d, ")] * cuda
     for down, label in ways:
         label += "bfloat16 u narrowed on the host"
@@ -192,6 +210,19 @@ def parse_args(argv: List[str] = None):
         "--numel", type=int, default=536_000_000 // 32, help="elements of each tensor"
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[],
+        help="time AdamW alone and beside the copies at each of these host thread counts "
+        "(torch.set_num_threads), in this order; empty: at torch's own count only",
+    )
+    parser.add_argument(
+        "--beside-only",
+        action="store_true",
+        help="only AdamW alone and beside the copies: skip the host narrowing and widening",
+    )
     parser.add_argument(
         "--chunk-tensors", type=int, default=8, help="tensors the chunked widening steps"
     )

@@ -501,3 +501,31 @@ def test_the_widening_benchmark_steps_chunks_exactly_as_the_whole_tensors():
         lambda adam: host_adam_dma.widened_in_chunks(adam, tensors=3, chunk=1024)()
     )
     assert not torch.equal(chunked.params[0], before)  # the steps did step
+
+
+def test_the_copies_benchmark_times_adamw_at_each_thread_count_and_can_skip_the_rest():
+    """``host_adam_dma.py --threads 1 2 --beside-only`` times AdamW alone at both counts, in
+    the given order, leaves torch's own count as it found it, and skips the host narrowing and
+    widening."""
+    import host_adam_dma  # pylint: disable=import-outside-toplevel
+
+    default = torch.get_num_threads()
+    seen = []
+    real = host_adam_dma.HostAdam.step_all
+
+    def noting(adam):
+        seen.append(torch.get_num_threads())
+        real(adam)
+
+    args = ["--tensors", "2", "--numel", "1024", "--repeats", "1", "--threads", "1", "2"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(host_adam_dma.HostAdam, "step_all", noting)
+        results = host_adam_dma.main(args + ["--beside-only"])
+    assert torch.get_num_threads() == default
+    assert seen == [1, 1, 2, 2]  # an untimed call and one timed, per count
+    assert [label for label in results if label.startswith("adam alone")] == [
+        "adam alone, 2 tensors, 1 threads",
+        "adam alone, 2 tensors, 2 threads",
+    ]
+    assert not any("narrowed" in label or "widened" in label for label in results)
+    assert any("widened" in label for label in host_adam_dma.main(args[:6]))
