@@ -212,12 +212,12 @@ def test_a_step_on_the_callers_own_stream_leaves_that_stream_current(monkeypatch
 def _steps_on_second_device(late: bool, steps: int = 3):
     """Params on cuda:1 after ``steps`` steps called with cuda:0 current; each step's
     gradients are written on cuda:1's current stream, behind a ~50 ms sleep where ``late``.
-    Also whether cuda:0 was current after every step."""
+    Also whether cuda:0, and cuda:1's stream of before, were current after every step."""
     with torch.cuda.device(1):
         params = [torch.nn.Parameter(p.detach().to("cuda:1")) for p in make_params()]
         optimizer = make_optimizer(params, 1.0, param_update_in_fp32=True)
     generator = torch.Generator().manual_seed(3)
-    stayed = []
+    stayed, stream_of_1 = [], torch.cuda.current_stream(1)
     for _ in range(steps):
         drawn = [torch.randn(p.shape, generator=generator).to(p.device, p.dtype) for p in params]
         with torch.cuda.device(1):
@@ -225,8 +225,12 @@ def _steps_on_second_device(late: bool, steps: int = 3):
                 torch.cuda._sleep(100_000_000)  # pylint: disable=protected-access
             for param, grad in zip(params, drawn):
                 param.grad = grad.clone()  # queued behind the sleep
+        # The race is set up: the gradients are still being written when the step begins.
+        assert not late or not torch.cuda.current_stream(1).query()
         optimizer.step()
-        stayed.append(torch.cuda.current_device() == 0)
+        stayed.append(
+            torch.cuda.current_device() == 0 and torch.cuda.current_stream(1) == stream_of_1
+        )
         optimizer.zero_grad()
     torch.cuda.synchronize(1)
     return params, optimizer, stayed
@@ -238,8 +242,8 @@ def test_a_step_called_from_another_device_waits_for_the_gradients_device():
     are written, not for the current device's, and leave the caller's device current."""
     with torch.cuda.device(0):
         *late, stayed = _steps_on_second_device(late=True)
-        *settled, _ = _steps_on_second_device(late=False)
-    assert all(stayed)
+        *settled, stayed_settled = _steps_on_second_device(late=False)
+    assert all(stayed) and all(stayed_settled)
     assert_same(late, settled)
 
 
