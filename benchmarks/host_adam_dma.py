@@ -175,14 +175,14 @@ def beside(adam: HostAdam, repeats: int, suffix: str = "") -> Dict[str, float]:
 def measure(args) -> Dict[str, float]:
     """Every measurement, by label, in ms."""
     adam = HostAdam(args.tensors, args.numel)
-    if not args.threads:
-        results = beside(adam, args.repeats)
-    else:
-        # One process for every count, so that the tensors and the host's state are the same.
-        default, results = torch.get_num_threads(), {}
-        for threads in args.threads:
+    # Every count in one process, so that the tensors and the host's state are the same.
+    default, results = torch.get_num_threads(), {}
+    try:
+        for threads in args.threads or [default]:
             torch.set_num_threads(threads)
-            results.update(beside(adam, args.repeats, f", {threads} threads"))
+            suffix = f", {threads} threads" if args.threads else ""
+            results.update(beside(adam, args.repeats, suffix))
+    finally:
         torch.set_num_threads(default)
     if args.beside_only:
         return results

@@ -277,8 +277,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._slot_uploads: Dict[int, Any] = {}
         # The event each ring slot records its staged uploads with, made once.
         self._slot_upload_events: Dict[int, Any] = {}
-        # The stream current when the step began, to come back to from the side streams
-        # (None outside a step, or where the side streams are on another device).
+        # The stream current on the side streams' device when the step began, to come back to
+        # from them (None outside a step, or where the caller's current device is another).
         self._step_stream = None
         self._state_changes = StateChanges()
         self.state = StateMap(self._entry_of)

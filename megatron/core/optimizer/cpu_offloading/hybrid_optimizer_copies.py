@@ -164,8 +164,8 @@ class _Bucket:
         part: the element range of its one host copy that this bucket moves, where the copy
             moves in parts (``hybrid_optimizer_parts``); None for the whole copy.
         parted: the step shared by the parts of that copy (``PartedCopy``), or None.
-        landed: the CUDA event its download records, made once and recorded again each step
-            (each step waits for it before the next download of the bucket is queued).
+        landed: the CUDA event its download records, made once and recorded again by each
+            download (the host step waits for it before stepping the bucket).
     """
 
     optimizer: torch.optim.Optimizer
