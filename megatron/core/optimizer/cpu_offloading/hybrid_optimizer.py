@@ -25,6 +25,7 @@ optimizer does. ``state[p]`` is the very dict the sub-optimizer steps for the in
 thing.
 """
 
+import functools
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
@@ -46,6 +47,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     slot_sizes,
     upstream_pinned_bytes,
 )
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copy_thread import shared_copy_thread
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
     _MOMENTS,
     PLAIN_TENSORS,
@@ -238,6 +240,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES,
     # and move the copies larger than that cap in parts of it (or of host_part_bytes if smaller).
     size_host_buckets = False
+
+    # Queue each host bucket's copies (its uploads, the download that reuses its slot) on a
+    # thread of the process's own while this thread steps the next bucket, with one host
+    # thread fewer for the host kernels meanwhile (see hybrid_optimizer_copy_thread). Off by
+    # default: not yet timed against queueing them here on a GPU.
+    copy_thread = False
 
     def __init__(
         self,
@@ -790,9 +798,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # While the first downloads run; on the calling thread, since on a worker its Python
             # and the host steps' would wait for each other's GIL (see docs/measurements.md).
             self._step_in_place_whole()
-            for bucket in self._buckets:
-                self._step_host_bucket(bucket)
-                self._after_host_step(bucket)
+            if self.copy_thread and len(self._buckets) > 1:
+                self._step_host_buckets_beside_copy_thread()
+            else:
+                for bucket in self._buckets:
+                    self._after_host_step(bucket, self._step_host_bucket(bucket))
         finally:
             for param in lent:
                 param.grad = None
@@ -861,34 +871,105 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return False  # a gradient of another size: the offsets would not match
         return flat.step(grads=(widened, block.data_ptr()))
 
-    def _step_host_bucket(self, bucket: _Bucket):
-        """Step one host bucket once its gradients have landed: flat where it can be."""
+    def _step_host_bucket(self, bucket: _Bucket) -> List[_Bucket]:
+        """Step one host bucket once its gradients have landed; the buckets that go up now."""
+        self._await_download(bucket)
+        return self._step_on_host(bucket)
+
+    def _await_download(self, bucket: _Bucket):
+        """Wait for the bucket's gradients to land (where they come down on a stream)."""
         event = self._cpu_optimizer_map_data_event.pop(bucket.event_key, None)
         if event is not None:
             event.synchronize()
+
+    def _landed(self, bucket: _Bucket) -> bool:
+        """Whether the bucket's download queued so far has landed (without waiting)."""
+        event = self._cpu_optimizer_map_data_event.get(bucket.event_key)
+        return event is None or event.query()
+
+    def _step_on_host(self, bucket: _Bucket) -> List[_Bucket]:
+        """Step the bucket, whose gradients have landed: flat where it can be. Returns the
+        buckets that may go up now: itself, or for a part of a copy those its step released
+        (a copy whose parts are gathered goes up once its last part has landed)."""
         if bucket.parted is not None:
-            return  # stepped in _after_host_step, which knows which parts then go up
+            return self._step_part(bucket)
         if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
             bucket.optimizer.step()
             if bucket.flat is not None:
                 bucket.flat.lay_out()  # so that the next step can be flat
+        return [bucket]
 
-    def _after_host_step(self, bucket: _Bucket) -> None:
-        """Queue the stepped bucket's upload, then the download that reuses its slot.
+    def _after_host_step(self, bucket: _Bucket, ready: List[_Bucket]) -> None:
+        """Queue the uploads of the buckets just stepped and the download that reuses the
+        bucket's slot."""
+        self._queue_copies(bucket, self._stage_uploads(bucket, ready))
 
-        A part of a copy is stepped here, since its step may also release the uploads of the
-        parts before it (a copy whose parts are gathered goes up once its last has landed).
-        """
-        ready = [bucket]
-        if bucket.parted is not None:
-            ready = self._step_part(bucket)
-        if any(stepped is bucket for stepped in ready):
-            self._upload(bucket, staged_in_slot=True)
+    def _stage_uploads(self, bucket: _Bucket, ready: List[_Bucket]) -> List[tuple]:
+        """Stage what the stepped buckets ``ready`` upload (:meth:`_stage_upload`): the
+        bucket's own copies through its slot, the other parts of a gathered copy from their
+        own memory. Returns the arguments of each one's :meth:`_queue_upload`."""
+        return [(stepped, *self._stage_upload(stepped, stepped is bucket)) for stepped in ready]
+
+    def _queue_copies(self, bucket: _Bucket, uploads: List[tuple]):
+        """Queue the staged ``uploads`` and the download that reuses the bucket's slot, after
+        the bucket's own upload (a copy staged in the slot is read from there)."""
+        own = [upload for upload in uploads if upload[0] is bucket]
+        for upload in own:
+            self._queue_upload(*upload)
         if bucket.follower is not None:
             self._download(bucket.follower)
-        for stepped in ready:  # the other parts of a gathered copy, from their own memory
-            if stepped is not bucket:
-                self._upload(stepped, staged_in_slot=False)
+        for upload in uploads:
+            if upload[0] is not bucket:
+                self._queue_upload(*upload)
+
+    def _step_host_buckets_beside_copy_thread(self):
+        """The host buckets' steps on this thread, their copies queued on the copy thread
+        (``copy_thread``; see hybrid_optimizer_copy_thread).
+
+        A stepped bucket's copies are handed out right before the next host kernel, so that
+        the copy thread's Python runs while this thread is in the kernel, without the GIL;
+        or before waiting for a download still on its way, or queued by those very copies.
+        Whatever happens, the copies of every bucket stepped go out before this returns.
+        """
+        copies = shared_copy_thread()
+        device = None if self._d2h_stream is None else self._d2h_stream.device
+        downloads_queued_by: Dict[int, int] = {}  # bucket index -> ticket of the job
+        pending = None  # the bucket stepped last, and its staged uploads
+
+        def hand_out():
+            nonlocal pending
+            stepped, uploads = pending
+            pending = None
+            ticket = copies.hand_out(
+                functools.partial(self._queue_copies, stepped, uploads), device
+            )
+            if stepped.follower is not None:
+                downloads_queued_by[stepped.follower] = ticket
+
+        threads = torch.get_num_threads()
+        if threads > 1:
+            torch.set_num_threads(threads - 1)  # a core for the copy thread
+        try:
+            for index, bucket in enumerate(self._buckets):
+                if pending is not None and (
+                    pending[0].follower == index or not self._landed(bucket)
+                ):
+                    hand_out()
+                if index in downloads_queued_by:
+                    copies.wait_for(downloads_queued_by.pop(index))
+                copies.check()
+                self._await_download(bucket)
+                if pending is not None:
+                    hand_out()
+                pending = (bucket, self._stage_uploads(bucket, self._step_on_host(bucket)))
+        finally:
+            torch.set_num_threads(threads)
+            copies.finish()
+            error = copies.take_error()
+            if pending is not None:  # the copy thread is idle: queue them here
+                self._queue_copies(*pending)
+        if error is not None:
+            raise error
 
     def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
         """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""
@@ -1003,59 +1084,64 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bucket.landed = _recorded(bucket.landed, self._d2h_stream)
                 self._cpu_optimizer_map_data_event[bucket.event_key] = bucket.landed
 
-    def _upload(self, bucket: _Bucket, staged_in_slot: bool):
-        """Queue the H2D of the bucket's host copies just stepped into their parameters.
+    def _stage_upload(self, bucket: _Bucket, staged_in_slot: bool) -> Tuple[list, bool]:
+        """Get the bucket's host copies just stepped ready to go up: where its slot is its
+        own now (``staged_in_slot``: its gradients are stepped), pageable copies are copied
+        into it on the host, since an upload from pageable memory blocks the host until it is
+        done, holding up the next host step, while a host copy into the pinned slot is faster
+        and lets the upload run behind it.
+
+        Returns:
+            What each upload reads (the block of a packed bucket; else each stepped copy, in
+            the bucket's order), and whether any of it is in the slot.
+        """
+        if not bucket.kept(bucket.params):
+            return [], False
+        stage = staged_in_slot and self._ring_plan.pin_slots
+        if bucket.master is not None:
+            if stage and not bucket.pinned[0]:
+                return [self._ring[bucket.slot][: bucket.nbytes].copy_(bucket.master)], True
+            return [bucket.master], False
+        sources, staged = [], False
+        for host, slot_view, pinned in zip(
+            bucket.kept(bucket.hosts), bucket.kept(bucket.views), bucket.kept(bucket.pinned)
+        ):
+            host = bucket.sliced(host)
+            if stage and not pinned:
+                host = slot_view.copy_(host)
+                staged = True
+            sources.append(host)
+        return sources, staged
+
+    def _queue_upload(self, bucket: _Bucket, sources: list, staged: bool):
+        """Queue the H2D of the bucket's stepped host copies, staged by :meth:`_stage_upload`
+        (``sources``, ``staged``), into their parameters.
 
         A packed bucket goes up as one block into the device staging buffer and is narrowed
-        from there into its parameters by one multi-tensor copy.
-
-        Args:
-            bucket: the bucket just stepped (``keep`` says which copies were).
-            staged_in_slot: the bucket's slot is its own now (its gradients are stepped), so
-                pageable copies go up through it; the download that reuses the slot waits for
-                that upload (``_slot_uploads``).
+        from there into its parameters by one multi-tensor copy. Where a copy went up through
+        the bucket's slot, the download that reuses the slot waits for the upload
+        (``_slot_uploads``).
         """
         params = bucket.kept(bucket.params)
         if not params:
             return
-        stage = staged_in_slot and self._ring_plan.pin_slots
-        staged = False
         with _on_stream(self._h2d_stream, self._step_stream):
             if bucket.master is not None:
-                source = bucket.master
-                if stage and not bucket.pinned[0]:
-                    # See below: one host copy of the block into the pinned slot.
-                    source = self._ring[bucket.slot][: bucket.nbytes].copy_(source)
-                    staged = True
                 if bucket.up:
-                    self._device_staging[1][: bucket.nbytes].copy_(source, non_blocking=True)
+                    self._device_staging[1][: bucket.nbytes].copy_(sources[0], non_blocking=True)
                     torch._foreach_copy_(params, bucket.kept(bucket.up))  # narrows on the device
                 else:
                     torch._foreach_copy_(params, bucket.kept(bucket.hosts))
-                self._note_slot_upload(bucket, staged)
-                return
-            for host, param, slot_view, pinned in zip(
-                bucket.kept(bucket.hosts),
-                params,
-                bucket.kept(bucket.views),
-                bucket.kept(bucket.pinned),
-            ):
-                host, param = bucket.sliced(host), bucket.sliced(param.data)
-                source = host
-                if stage and not pinned:
-                    # An upload from pageable memory blocks the host until it is done, holding
-                    # up the next host step; a host copy into the pinned slot (where this
-                    # gradient was) is faster and lets the upload run behind it.
-                    source = slot_view
-                    source.copy_(host)
-                    staged = True
-                if param.is_cuda and host.dtype != param.dtype:
-                    # Narrow on the device. The staging tensor is allocated on this stream, so
-                    # the caching allocator hands its memory out again only in this stream's
-                    # order, after the narrowing copy has read it.
-                    narrowed = torch.empty_like(host, device=param.device)
-                    source = narrowed.copy_(source, non_blocking=True)
-                param.data.copy_(source.view_as(param), non_blocking=param.is_cuda)
+            else:
+                for param, source in zip(params, sources):
+                    param = bucket.sliced(param.data)
+                    if param.is_cuda and source.dtype != param.dtype:
+                        # Narrow on the device. The staging tensor is allocated on this stream,
+                        # so the caching allocator hands its memory out again only in this
+                        # stream's order, after the narrowing copy has read it.
+                        narrowed = torch.empty_like(source, device=param.device)
+                        source = narrowed.copy_(source, non_blocking=True)
+                    param.copy_(source.view_as(param), non_blocking=param.is_cuda)
             self._note_slot_upload(bucket, staged)
 
     def _note_slot_upload(self, bucket: _Bucket, staged: bool):
