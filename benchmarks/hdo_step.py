@@ -117,12 +117,6 @@ FORK_VARIANTS = {
         "16-64 MiB, below 64 MiB only where less than 512 MiB is offloaded; copies larger than "
         "that cap in parts of it)",
     ),
-    "fork copy thread": (
-        "copy_thread",
-        {"copy_thread": True},
-        "its copies queued on a thread of their own beside the host steps, which run with one "
-        "host thread fewer meanwhile (copy_thread)",
-    ),
 }
 
 

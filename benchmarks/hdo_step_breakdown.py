@@ -29,13 +29,7 @@ PARTS = {
     "_stage_upload": "upload staging",
     "_queue_upload": "upload queueing",
 }
-"""The HDO's methods timed, and the name each is reported under. With ``copy_thread`` on, the
-queueing runs on the copy thread, beside the host steps: its parts then say how long that
-thread took, not how long the step waited for it (``COPY_THREAD_WAITS``)."""
-
-COPY_THREAD_WAITS = ("wait_for", "finish")
-"""The copy thread's methods in which the calling thread waits for its jobs, timed as
-``copy thread wait`` where the module has a copy thread."""
+"""The HDO's methods timed, and the name each is reported under."""
 
 WAITS = {
     # The host waits for each bucket's gradients to land before stepping it (the host step is
@@ -71,17 +65,6 @@ def _timing(target, name: str, label: str, totals: Dict[str, float]) -> Iterator
             delattr(target, name)  # the class's method shows again
 
 
-def _copy_thread_of(optimizer):
-    """The copy thread ``optimizer``'s step hands its copies to, where it has one and uses it."""
-    if not getattr(optimizer, "copy_thread", False):
-        return None
-    for cls in type(optimizer).__mro__:  # a variant subclasses the HDO in another module
-        shared = getattr(sys.modules.get(cls.__module__), "shared_copy_thread", None)
-        if shared is not None:
-            return shared()
-    return None
-
-
 def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str, float]:
     """Milliseconds per step of each part of ``optimizer.step()`` over ``steps`` steps.
 
@@ -105,10 +88,6 @@ def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str
         if torch.cuda.is_available():
             for waiter, label in WAITS.items():
                 stack.enter_context(_timing(waiter, "synchronize", label, totals))
-        thread = _copy_thread_of(optimizer)
-        if thread is not None:
-            for name in COPY_THREAD_WAITS:
-                stack.enter_context(_timing(thread, name, "copy thread wait", totals))
         timed = set()
         for bucket in buckets:
             # The parts of a large copy share one sub-optimizer, which their part step calls

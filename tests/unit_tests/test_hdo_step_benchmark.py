@@ -190,20 +190,6 @@ def test_a_bucket_row_steps_smaller_host_buckets_to_the_same_values():
     assert benchmark.parse_args(["--bucket-mib", "4", "16"]).bucket_mib == [4, 16]
 
 
-def test_the_copy_thread_row_steps_the_same_values_as_the_default():
-    """``--copy-thread`` times the fork with its copies queued on the copy thread, over
-    buckets enough for the thread to be used, stepping the same values."""
-    args = benchmark.parse_args(
-        ["--case", "gpt", "--scale", "0.05", "--repeats", "1", "--warmup", "1"]
-    )
-    args.case = "gpt"  # main() runs the cases one at a time
-    default = benchmark.run_worker(args, "fork", 1.0, True)
-    threaded = benchmark.run_worker(args, "fork copy thread", 1.0, True)
-    assert threaded["digest"] == default["digest"]
-    assert default["host_optimizers"] > 1
-    assert benchmark.parse_args(["--copy-thread"]).copy_thread
-
-
 def test_paired_rows_hold_each_step_against_adamw_timed_around_its_run():
     """``--paired K`` times host AdamW alone in blocks of K around each run of K timed steps,
     in the row's own process; each step's reference is the mean of the two blocks' medians,
@@ -354,29 +340,10 @@ def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     params, hdo, grads = _stepped_hdo((64, 3, 1000), "cpu", 0.5)
     parts = split.breakdown(hdo, grads, steps=2)
     expected = {"step", "host step", "download queueing", "upload staging", "upload queueing"}
-    assert expected <= set(parts) and "copy thread wait" not in parts
+    assert expected <= set(parts)
     assert sum(v for k, v in parts.items() if k != "step") <= parts["step"] * 1.01
     assert "_download" not in vars(hdo) and "step" not in vars(hdo._buckets[0].optimizer)
     assert split.breakdown(torch.optim.AdamW(params), grads) == {}
-
-
-def test_the_breakdown_times_the_wait_for_the_copy_thread_and_puts_the_thread_back(monkeypatch):
-    """With the copies queued on the copy thread, the calling thread's waits for it are a
-    part of their own, and the thread's methods are its class's again afterwards."""
-    # pylint: disable=import-outside-toplevel
-    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
-
-    split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
-    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1024)
-    _, hdo, grads = _stepped_hdo((64, 3, 1000, 500, 7), "cpu", 1.0, copy_thread=True)
-    assert len(hdo._buckets) > 1  # pylint: disable=protected-access
-    thread = split._copy_thread_of(hdo)  # pylint: disable=protected-access
-    assert thread is not None
-    parts = split.breakdown(hdo, grads, steps=2)
-    assert {"copy thread wait", "download queueing", "upload queueing"} <= set(parts)
-    on_caller = ("host step", "copy thread wait", "upload staging", "in-place step")
-    assert sum(parts.get(k, 0.0) for k in on_caller) <= parts["step"] * 1.01
-    assert not set(split.COPY_THREAD_WAITS) & set(vars(thread))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the waits are for CUDA copies")

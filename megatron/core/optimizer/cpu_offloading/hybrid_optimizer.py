@@ -25,7 +25,6 @@ optimizer does. ``state[p]`` is the very dict the sub-optimizer steps for the in
 thing.
 """
 
-import functools
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
@@ -47,7 +46,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # 
     slot_sizes,
     upstream_pinned_bytes,
 )
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copy_thread import shared_copy_thread
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
     _MOMENTS,
     PLAIN_TENSORS,
@@ -240,12 +238,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES,
     # and move the copies larger than that cap in parts of it (or of host_part_bytes if smaller).
     size_host_buckets = False
-
-    # Queue each host bucket's copies (its uploads, the download that reuses its slot) on a
-    # thread of the process's own while this thread steps the next bucket, with one host
-    # thread fewer for the host kernels meanwhile (see hybrid_optimizer_copy_thread). Off by
-    # default: not yet timed against queueing them here on a GPU.
-    copy_thread = False
 
     def __init__(
         self,
@@ -798,11 +790,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             # While the first downloads run; on the calling thread, since on a worker its Python
             # and the host steps' would wait for each other's GIL (see docs/measurements.md).
             self._step_in_place_whole()
-            if self.copy_thread and len(self._buckets) > 1:
-                self._step_host_buckets_beside_copy_thread()
-            else:
-                for bucket in self._buckets:
-                    self._after_host_step(bucket, self._step_host_bucket(bucket))
+            for bucket in self._buckets:
+                self._after_host_step(bucket, self._step_host_bucket(bucket))
         finally:
             for param in lent:
                 param.grad = None
@@ -882,11 +871,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         if event is not None:
             event.synchronize()
 
-    def _landed(self, bucket: _Bucket) -> bool:
-        """Whether the bucket's download queued so far has landed (without waiting)."""
-        event = self._cpu_optimizer_map_data_event.get(bucket.event_key)
-        return event is None or event.query()
-
     def _step_on_host(self, bucket: _Bucket) -> List[_Bucket]:
         """Step the bucket, whose gradients have landed: flat where it can be. Returns the
         buckets that may go up now: itself, or for a part of a copy those its step released
@@ -921,55 +905,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for upload in uploads:
             if upload[0] is not bucket:
                 self._queue_upload(*upload)
-
-    def _step_host_buckets_beside_copy_thread(self):
-        """The host buckets' steps on this thread, their copies queued on the copy thread
-        (``copy_thread``; see hybrid_optimizer_copy_thread).
-
-        A stepped bucket's copies are handed out right before the next host kernel, so that
-        the copy thread's Python runs while this thread is in the kernel, without the GIL;
-        or before waiting for a download still on its way, or queued by those very copies.
-        Whatever happens, the copies of every bucket stepped go out before this returns.
-        """
-        copies = shared_copy_thread()
-        device = None if self._d2h_stream is None else self._d2h_stream.device
-        downloads_queued_by: Dict[int, int] = {}  # bucket index -> ticket of the job
-        pending = None  # the bucket stepped last, and its staged uploads
-
-        def hand_out():
-            nonlocal pending
-            stepped, uploads = pending
-            pending = None
-            ticket = copies.hand_out(
-                functools.partial(self._queue_copies, stepped, uploads), device
-            )
-            if stepped.follower is not None:
-                downloads_queued_by[stepped.follower] = ticket
-
-        threads = torch.get_num_threads()
-        if threads > 1:
-            torch.set_num_threads(threads - 1)  # a core for the copy thread
-        try:
-            for index, bucket in enumerate(self._buckets):
-                if pending is not None and (
-                    pending[0].follower == index or not self._landed(bucket)
-                ):
-                    hand_out()
-                if index in downloads_queued_by:
-                    copies.wait_for(downloads_queued_by.pop(index))
-                copies.check()
-                self._await_download(bucket)
-                if pending is not None:
-                    hand_out()
-                pending = (bucket, self._stage_uploads(bucket, self._step_on_host(bucket)))
-        finally:
-            torch.set_num_threads(threads)
-            copies.finish()
-            error = copies.take_error()
-            if pending is not None:  # the copy thread is idle: queue them here
-                self._queue_copies(*pending)
-        if error is not None:
-            raise error
 
     def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
         """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""
