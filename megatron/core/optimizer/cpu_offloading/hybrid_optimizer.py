@@ -861,20 +861,15 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return flat.step(grads=(widened, block.data_ptr()))
 
     def _step_host_bucket(self, bucket: _Bucket) -> List[_Bucket]:
-        """Step one host bucket once its gradients have landed; the buckets that go up now."""
-        self._await_download(bucket)
-        return self._step_on_host(bucket)
+        """Step one host bucket once its gradients have landed: flat where it can be.
 
-    def _await_download(self, bucket: _Bucket):
-        """Wait for the bucket's gradients to land (where they come down on a stream)."""
+        Returns:
+            The buckets that may go up now: this one, or for a part of a copy those its step
+            released (a copy whose parts are gathered goes up once its last part has landed).
+        """
         event = self._cpu_optimizer_map_data_event.pop(bucket.event_key, None)
         if event is not None:
             event.synchronize()
-
-    def _step_on_host(self, bucket: _Bucket) -> List[_Bucket]:
-        """Step the bucket, whose gradients have landed: flat where it can be. Returns the
-        buckets that may go up now: itself, or for a part of a copy those its step released
-        (a copy whose parts are gathered goes up once its last part has landed)."""
         if bucket.parted is not None:
             return self._step_part(bucket)
         if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
@@ -884,27 +879,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         return [bucket]
 
     def _after_host_step(self, bucket: _Bucket, ready: List[_Bucket]) -> None:
-        """Queue the uploads of the buckets just stepped and the download that reuses the
-        bucket's slot."""
-        self._queue_copies(bucket, self._stage_uploads(bucket, ready))
-
-    def _stage_uploads(self, bucket: _Bucket, ready: List[_Bucket]) -> List[tuple]:
-        """Stage what the stepped buckets ``ready`` upload (:meth:`_stage_upload`): the
-        bucket's own copies through its slot, the other parts of a gathered copy from their
-        own memory. Returns the arguments of each one's :meth:`_queue_upload`."""
-        return [(stepped, *self._stage_upload(stepped, stepped is bucket)) for stepped in ready]
-
-    def _queue_copies(self, bucket: _Bucket, uploads: List[tuple]):
-        """Queue the staged ``uploads`` and the download that reuses the bucket's slot, after
-        the bucket's own upload (a copy staged in the slot is read from there)."""
-        own = [upload for upload in uploads if upload[0] is bucket]
-        for upload in own:
-            self._queue_upload(*upload)
+        """Queue the uploads of the buckets just stepped (``ready``) and the download that
+        reuses the bucket's slot, after the bucket's own upload, which its pageable copies
+        make through the slot; the other parts of a gathered copy go up from their memory."""
+        if any(stepped is bucket for stepped in ready):
+            self._queue_upload(bucket, *self._stage_upload(bucket, staged_in_slot=True))
         if bucket.follower is not None:
             self._download(bucket.follower)
-        for upload in uploads:
-            if upload[0] is not bucket:
-                self._queue_upload(*upload)
+        for stepped in ready:
+            if stepped is not bucket:
+                self._queue_upload(stepped, *self._stage_upload(stepped, staged_in_slot=False))
 
     def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
         """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""
