@@ -306,18 +306,17 @@ def test_decoupled_gradients_are_views_of_one_fp32_buffer_with_the_same_values()
     assert len(digests) == 1
 
 
-def _stepped_hdo(numels, device, fraction, **attributes):
-    """Parameters of ``numels`` elements on ``device``, the fork's HDO over them (with the
-    class ``attributes``) stepped once, and what hands out their gradients (skips where the
-    module is upstream's: the breakdown times the fork's own methods)."""
+def _stepped_hdo(numels, device, fraction):
+    """Parameters of ``numels`` elements on ``device``, the fork's HDO over them stepped once,
+    and what hands out their gradients (skips where the module is upstream's: the breakdown
+    times the fork's own methods)."""
     # pylint: disable=import-outside-toplevel
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
         pytest.skip("the parts are the fork's methods")
     params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in numels]
-    cls = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), attributes)
-    hdo = cls(
+    hdo = hybrid_optimizer.HybridDeviceOptimizer(
         [{"params": params}],
         offload_fraction=fraction,
         lr=1e-3,
