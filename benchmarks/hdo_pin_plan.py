@@ -8,8 +8,9 @@ over meta tensors, so nothing is allocated), the ring of gradient slots and the 
 within upstream's pinned bytes as ``plan_pinned_host_memory`` chooses them, and what stays
 pageable, with copies moved whole, in parts of the HDO's default ``host_part_bytes`` and in parts
 of ``--part-mib`` (as the HDO parts them under torch's fused AdamW). Prints one line per case,
-fraction and way (also buckets sized to the offloaded bytes, the copies above that cap in parts
-of it: the HDO's ``size_host_buckets``); no timing.
+fraction and way (also the HDO's default, ``size_host_buckets``: buckets sized to the
+offloaded bytes, the copies above that cap in parts of it, unless the fixed cap leaves fewer
+bytes pageable); no timing.
 """
 
 import argparse
@@ -39,22 +40,32 @@ def host_numels(numels: List[int], fraction: float) -> List[int]:
 
 def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = False):
     """The ring and pinning plan for these shards: MiB of ring, pinned and pageable copies, with
-    the fixed bucket cap or, if ``sized``, the cap sized to the offloaded bytes (the HDO's
-    ``size_host_buckets``: copies above it then move in parts of it, or of ``part_bytes`` where
-    that is smaller)."""
+    the fixed bucket cap or, if ``sized``, the cap the HDO's ``size_host_buckets`` chooses: the
+    cap sized to the offloaded bytes (copies above it then move in parts of it, or of
+    ``part_bytes`` where that is smaller; ``part_bytes`` 0 moves every copy whole) unless the
+    fixed cap leaves fewer bytes pageable."""
     copies = [
         torch.empty(n, dtype=torch.float32, device="meta") for n in host_numels(numels, fraction)
     ]
     params = [
         torch.empty(n, dtype=torch.bfloat16, device="meta") for n in host_numels(numels, fraction)
     ]
-    cap = hdo._HOST_BUCKET_BYTES
-    if sized:
-        cap = hdo.sized_bucket_bytes(
-            sum(map(hdo._nbytes, copies)), cap, least=hdo._LEAST_SIZED_BUCKET_BYTES
-        )
-        if cap % hdo.PART_ALIGN_BYTES == 0:  # the copies above the sized cap move in parts of it
-            part_bytes = min(part_bytes or cap, cap)
+    fixed = hdo._HOST_BUCKET_BYTES
+    if not sized:
+        return plan_with_cap(copies, params, fixed, part_bytes)
+    cap = hdo.sized_bucket_bytes(
+        sum(map(hdo._nbytes, copies)), fixed, least=hdo._LEAST_SIZED_BUCKET_BYTES
+    )
+    plans = [
+        plan_with_cap(copies, params, each, hdo.copy_part_bytes(part_bytes, each))
+        for each in sorted({cap, fixed})
+    ]
+    return min(plans, key=lambda figures: figures["pageable"])  # the smaller cap on a tie
+
+
+def plan_with_cap(copies, params, cap: int, part_bytes: int):
+    """:func:`plan`'s figures for host buckets of at most ``cap`` bytes and copies larger than
+    ``part_bytes`` moved in parts of it (0: whole)."""
     optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
         torch.optim.AdamW, [{"params": copies}], cap
     )
@@ -116,10 +127,10 @@ def main(argv=None):
     print("MiB; cap = bucket cap; budget = upstream 0.19.2's pinned blocks; pinned = host copies'")
     default = hdo.HybridDeviceOptimizer.host_part_bytes
     ways = {
-        "whole copies": (0, False),
-        f"default (parts of {default >> 20} MiB)": (default, False),
-        f"parts of {args.part_mib} MiB": (args.part_mib << 20, False),
-        "sized buckets": (default, True),
+        "fixed buckets, whole copies": (0, False),
+        f"fixed buckets, parts of {default >> 20} MiB": (default, False),
+        f"fixed buckets, parts of {args.part_mib} MiB": (args.part_mib << 20, False),
+        "default (size_host_buckets)": (default, True),
     }
     for case in args.case:
         numels = case_numels(case, args.dp)

@@ -110,12 +110,12 @@ FORK_VARIANTS = {
         "default's parts for copies larger than a bucket (64 MiB: embeddings, output layers) "
         "are measured against",
     ),
-    "fork sized": (
-        "sized_buckets",
-        {"size_host_buckets": True},
-        "its host buckets sized to the offloaded bytes (size_host_buckets: an eighth of them, "
-        "16-64 MiB, below 64 MiB only where less than 512 MiB is offloaded; copies larger than "
-        "that cap in parts of it)",
+    "fork fixed buckets": (
+        "fixed_buckets",
+        {"size_host_buckets": False},
+        "its host buckets capped at 64 MiB whatever the offload (size_host_buckets off), as the "
+        "reference the default's buckets sized to the offloaded bytes (an eighth of them, "
+        "16-64 MiB; below 64 MiB only where less than 512 MiB is offloaded) are measured against",
     ),
 }
 
@@ -126,12 +126,13 @@ def fork_variant_class(name: str):
 
 
 def bucket_variant_class(mib: int):
-    """The fork's HybridDeviceOptimizer with host buckets of ``mib`` MiB and copies larger than
-    that in parts of it. The cap is the module's constant, so this sets it for the whole
-    process: call it only in a worker of its own."""
+    """The fork's HybridDeviceOptimizer with host buckets of ``mib`` MiB whatever the offload
+    and copies larger than that in parts of it. The cap is the module's constant, so this sets
+    it for the whole process: call it only in a worker of its own."""
     cls = fork_class()
     sys.modules[cls.__module__]._HOST_BUCKET_BYTES = mib << 20
-    return type("HybridDeviceOptimizer", (cls,), {"host_part_bytes": mib << 20})
+    attributes = {"host_part_bytes": mib << 20, "size_host_buckets": False}
+    return type("HybridDeviceOptimizer", (cls,), attributes)
 
 
 def in_place_class(choice: str):

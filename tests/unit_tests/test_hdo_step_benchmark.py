@@ -415,8 +415,9 @@ def test_the_flat_step_benchmark_times_both_ways_over_the_same_buckets_and_value
 
 def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeypatch):
     """The tool hands the HDO's pinning plan the buckets (whole, in parts, sized) an HDO over
-    the same shards builds, and asks it for as many slots. On the CPU the HDO pins nothing, so its ring is not
-    trimmed to a budget: the plan's inputs are compared, not its outcome."""
+    the same shards builds, and asks it for as many slots; with sizing, for each cap the HDO
+    weighs. On the CPU the HDO pins nothing, so its ring is not trimmed to a budget: the plan's
+    inputs are compared, not its outcome."""
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
@@ -433,7 +434,7 @@ def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeyp
     monkeypatch.setattr(hybrid_optimizer, "plan_pinned_host_memory", recorded)
     numels = [16, 40_001, 3, 90_300, 32_768, 77, 16_385, 5]
     monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", 1 << 12)
-    ways = [(0, False), (1 << 16, False), (0, True)]  # whole, parts, sized buckets
+    ways = [(0, False), (1 << 16, False), (1 << 17, True)]  # whole, parts, sized buckets
     for part_bytes, sized in ways:
         hdo_class = type("HDO", (hybrid_optimizer.HybridDeviceOptimizer,), {})
         hdo_class.host_part_bytes = part_bytes
@@ -449,10 +450,12 @@ def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeyp
         )
         asked.clear()
         optimizer._ensure_built()
+        built, chosen = asked[:-1], asked[-1]  # with sizing, each cap's plan, then the ring's
+        asked.clear()
         figures = pin_plan.plan(numels, 0.8, part_bytes, sized)
-        assert len(asked) == 2 and asked[0] == asked[1], (part_bytes, sized)
+        assert built == (asked if sized else []) and chosen in asked, (part_bytes, sized)
         staged = [b for b in optimizer._buckets if b.grads]
-        assert figures["buckets"] == len(staged) == len(asked[0][0]) > 1
+        assert figures["buckets"] == len(staged) == len(chosen[0]) > 1
         if part_bytes:
             assert len(staged) > len(optimizer.cpu_optimizers)  # the largest copy is parted
         if sized:  # an eighth of the offloaded bytes is below the fixed cap here

@@ -35,10 +35,12 @@ SIZES = [16, 40_001, 3, (300, 301), 32_768, 77, 16_385]
 
 def make(part_bytes, monkeypatch, seed=0, sizes=None):
     """Parameters and an HDO over them, every copy in a bucket of its own unless small, its
-    large copies moved in parts of ``part_bytes`` (0: whole)."""
+    large copies moved in parts of ``part_bytes`` (0: whole). The bucket cap is fixed, not
+    sized to the offload, so that ``part_bytes`` alone decides which copies move in parts."""
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", PART_BYTES)
     hdo_class = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
     hdo_class.host_part_bytes = part_bytes
+    hdo_class.size_host_buckets = False
     return build_hdo(hdo_class, sizes or SIZES, 1.0, seed=seed, device=DEVICE)
 
 
@@ -209,43 +211,57 @@ def test_parts_leave_more_copies_pinned_within_upstreams_pinned_memory(monkeypat
     assert pinned_copies == {0: 6, PART_BYTES: 7}
 
 
-@pytest.mark.parametrize("set_part_bytes", [0, PART_BYTES], ids=["cap", "host_part_bytes"])
+@pytest.mark.parametrize(
+    "set_part_bytes", [None, PART_BYTES, 0], ids=["cap", "host_part_bytes", "whole"]
+)
 def test_sized_buckets_move_a_copy_larger_than_the_cap_in_parts_of_it(set_part_bytes, monkeypatch):
-    """With ``size_host_buckets`` a copy larger than the sized cap (a rank's shard of an
-    embedding) moves in parts of the cap, or of ``host_part_bytes`` where that is set, instead
-    of making one bucket as large as itself, and steps as the whole copy does, bit for bit.
-    Scaled down: a 1 MiB fixed cap, 64 KiB the least; 1.75 MB offloaded: a cap of 128 KiB."""
+    """With ``size_host_buckets`` (the default) a copy larger than the sized cap (a rank's shard
+    of an embedding) moves in parts of the cap, or of ``host_part_bytes`` where that is smaller,
+    instead of making one bucket as large as itself, and steps as the whole copy does, bit for
+    bit; ``host_part_bytes`` 0 still moves it whole. Scaled down: a 1 MiB fixed cap, 64 KiB the
+    least; 1.75 MB offloaded: a cap of 128 KiB."""
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 20)
     monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", PART_BYTES)
     sizes = [1000, 24, 2048, 777] * 10 + [400_000]
     sized = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
-    sized.size_host_buckets = True
-    sized.host_part_bytes = set_part_bytes
+    if set_part_bytes is not None:  # else the default, a bucket of the fixed cap
+        sized.host_part_bytes = set_part_bytes
+    fixed = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
+    fixed.size_host_buckets = False
     built = build_hdo(sized, sizes, 1.0, seed=4, device=DEVICE)
-    whole = build_hdo(hybrid_optimizer.HybridDeviceOptimizer, sizes, 1.0, seed=4, device=DEVICE)
+    whole = build_hdo(fixed, sizes, 1.0, seed=4, device=DEVICE)
     params, optimizer = built
     optimizer._ensure_built()
     assert optimizer._host_bucket_bytes() == 2 * PART_BYTES
-    part = set_part_bytes or 2 * PART_BYTES
     large = optimizer.param_to_inner_param[params[-1]]
     parts = [bucket for bucket in optimizer._buckets if bucket.part is not None]
-    assert len(parts) == -(-400_000 * 4 // part)
-    assert all(len(bucket.hosts) == 1 and bucket.hosts[0] is large for bucket in parts)
-    assert max(bucket.nbytes for bucket in parts) == part
+    if set_part_bytes == 0:
+        assert not parts
+        assert max(bucket.nbytes for bucket in optimizer._buckets) == 400_000 * 4
+    else:
+        part = set_part_bytes or 2 * PART_BYTES
+        assert len(parts) == -(-400_000 * 4 // part)
+        assert all(len(bucket.hosts) == 1 and bucket.hosts[0] is large for bucket in parts)
+        assert max(bucket.nbytes for bucket in parts) == part
     for pair in (built, whole):
         train(pair, 3, seed=9)
     assert_same(built, whole)
 
 
-def test_by_default_only_a_copy_larger_than_a_bucket_moves_in_parts_of_a_bucket():
-    """The HDO as Megatron builds it: a host copy larger than a bucket (a shard of an embedding
-    or output layer) moves in parts of a bucket, so no ring slot has to hold it whole; a copy of
-    exactly a bucket moves whole. Both step as the whole copies do, bit for bit."""
+def test_by_default_only_a_copy_larger_than_a_bucket_moves_in_parts_of_a_bucket(monkeypatch):
+    """The HDO as Megatron builds it, for an offload whose sized cap is the fixed one (an
+    eighth of it at least a bucket: least set to the bucket here, to keep the test small): a
+    host copy larger than a bucket (a shard of an embedding or output layer) moves in parts of
+    a bucket, so no ring slot has to hold it whole; a copy of exactly a bucket moves whole.
+    Both step as the whole copies do, bit for bit."""
     bucket = hybrid_optimizer._HOST_BUCKET_BYTES
+    monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", bucket)
     assert hybrid_optimizer.HybridDeviceOptimizer.host_part_bytes == bucket
+    assert hybrid_optimizer.HybridDeviceOptimizer.size_host_buckets
     sizes = [bucket // 4 + 4096, 1000, bucket // 4, 24]
     whole = type("HybridDeviceOptimizer", (hybrid_optimizer.HybridDeviceOptimizer,), {})
     whole.host_part_bytes = 0
+    whole.size_host_buckets = False
     built = build_hdo(hybrid_optimizer.HybridDeviceOptimizer, sizes, 1.0, seed=6, device=DEVICE)
     reference = build_hdo(whole, sizes, 1.0, seed=6, device=DEVICE)
     params, optimizer = built

@@ -688,9 +688,10 @@ def test_a_sized_bucket_cap_is_an_eighth_of_the_offloaded_bytes_within_its_bound
 
 
 def test_sized_host_buckets_cut_a_small_offload_finer_and_step_exactly(monkeypatch):
-    """``size_host_buckets``: a small offload (a data-parallel rank's shards) is cut into at
-    least eight buckets instead of filling a few up to the fixed cap; the parameters and the
-    host state step exactly as with the fixed cap. Scaled down: a 64 KiB cap, 4 KiB the least."""
+    """``size_host_buckets``, on by default: a small offload (a data-parallel rank's shards) is
+    cut into at least eight buckets instead of filling a few up to the fixed cap; the parameters
+    and the host state step exactly as with the fixed cap. Scaled down: a 64 KiB cap, 4 KiB the
+    least."""
     if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
         pytest.skip("the fork's buckets")
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 16)
@@ -699,8 +700,8 @@ def test_sized_host_buckets_cut_a_small_offload_finer_and_step_exactly(monkeypat
     params = flat_params(numels, torch.bfloat16, seed=5)
     expected = [torch.nn.Parameter(p.detach().clone()) for p in params]
     optimizer = make_optimizer(params, 1.0, fused=True)
-    optimizer.size_host_buckets = True  # read when the buckets are built, on first use
     reference = make_optimizer(expected, 1.0, fused=True)
+    reference.size_host_buckets = False  # read when the buckets are built, on first use
     optimizer._ensure_built()
     reference._ensure_built()
     staged = [bucket.nbytes for bucket in optimizer._buckets if bucket.grads]
@@ -712,6 +713,55 @@ def test_sized_host_buckets_cut_a_small_offload_finer_and_step_exactly(monkeypat
     for param, ref in zip(params, expected):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizer.state[param][key], reference.state[ref][key])
+
+
+@requires_cuda
+def test_sized_buckets_give_way_to_the_fixed_cap_where_that_pins_more(monkeypatch):
+    """``size_host_buckets`` keeps the fixed cap where the sized one would leave more bytes of
+    host copies pageable within upstream's pinned budget (smaller buckets fill their
+    power-of-two blocks less); the step is exact either way. Scaled down: a 128 KiB cap, 8 KiB
+    the least; these shards size it to 32 KiB, which would leave one more copy pageable."""
+    if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
+        pytest.skip("the fork's buckets")
+    fixed_cap, sized_cap = 1 << 17, 1 << 15
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", fixed_cap)
+    monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", 1 << 13)
+    numels = [24095, 13, 8439, 177, 6934, 30127, 168, 9736, 81]
+
+    def build(sized):
+        hdo_class = type("HybridDeviceOptimizer", (HybridDeviceOptimizer,), {})
+        hdo_class.size_host_buckets = sized
+        hdo_class.host_part_bytes = 0  # every copy whole: the buckets alone differ
+        params = flat_params(numels, torch.bfloat16, seed=7)
+        options = dict(offload_fraction=1.0, param_update_in_fp32=True, lr=1e-2)
+        optimizer = hdo_class(
+            [{"params": params}],
+            cpu_optimizer_cls=DeviceAdamW,
+            gpu_optimizer_cls=DeviceAdamW,
+            **options,
+        )
+        return params, optimizer
+
+    def pageable_bytes(optimizer):
+        copies = {}
+        for bucket in optimizer._buckets:
+            for host, pinned in zip(bucket.hosts, bucket.pinned):
+                copies[id(host)] = 0 if pinned else host.numel() * host.element_size()
+        return sum(copies.values())
+
+    chosen, fixed = build(True), build(False)
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", sized_cap)
+    only_sized = build(False)  # the sized cap's buckets, built as a fixed cap
+    only_sized[1]._ensure_built()
+    monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", fixed_cap)
+    chosen[1]._ensure_built()
+    assert chosen[1]._host_bucket_bytes() == sized_cap
+    for params, optimizer in (chosen, fixed, only_sized):
+        train(params, optimizer, 3, seed=11)
+    assert pageable_bytes(chosen[1]) == pageable_bytes(fixed[1]) < pageable_bytes(only_sized[1])
+    assert [b.nbytes for b in chosen[1]._buckets] == [b.nbytes for b in fixed[1]._buckets]
+    for params in (chosen[0], only_sized[0]):
+        assert_equal_params(params, fixed[0])
 
 
 def test_many_small_parameters_share_host_optimizers_and_step_exactly():

@@ -57,6 +57,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
     PartedCopy,
     can_part,
+    copy_part_bytes,
     part_ranges,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
@@ -236,8 +237,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # Cap the host buckets at an eighth of the offloaded bytes (a power of two, between 16 MiB
     # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES,
-    # and move the copies larger than that cap in parts of it (or of host_part_bytes if smaller).
-    size_host_buckets = False
+    # unless the fixed cap leaves fewer bytes of host copies pageable (_build_host_optimizers),
+    # and move the copies larger than the cap in parts of it (or of host_part_bytes if
+    # smaller). It changes nothing from 512 MiB offloaded up; below that (a data-parallel
+    # rank's shards) the pipeline's ends shorten and a smaller ring leaves more copies pinned
+    # (docs/measurements.md: the step at --dp 8).
+    size_host_buckets = True
 
     def __init__(
         self,
@@ -472,9 +477,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         # Buckets in both modes: they bound the gradient staging (and so the pinned memory);
         # the overlap option decides how many buckets are in flight (see _plan_grad_ring).
-        self.cpu_optimizers = self.build_cpu_optimizer_list(
-            self.cpu_optimizer_cls, self.cpu_param_groups, self._host_bucket_bytes()
-        )
+        self.cpu_optimizers, self._bucket_cap = self._build_host_optimizers()
         self.gpu_optimizer = (
             self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
         )
@@ -508,7 +511,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._plan_grad_ring()
 
     def _host_bucket_bytes(self) -> int:
-        """The cap on a host bucket's staged bytes (``size_host_buckets``)."""
+        """The sized cap on a host bucket's staged bytes (``size_host_buckets``)."""
         if not self.size_host_buckets:
             return _HOST_BUCKET_BYTES
         offloaded = self.cpu_copys_map_gpu_param
@@ -519,6 +522,30 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if host in offloaded
         )
         return sized_bucket_bytes(staged, _HOST_BUCKET_BYTES, least=_LEAST_SIZED_BUCKET_BYTES)
+
+    def _build_host_optimizers(self) -> Tuple[List[torch.optim.Optimizer], int]:
+        """The host sub-optimizers, one a bucket, and the bucket cap they were built with.
+
+        With ``size_host_buckets`` the sized cap is weighed against the fixed one by the
+        bytes of host copies each leaves pageable within upstream's pinned budget (the smaller
+        cap on a tie): a pageable copy goes up through a slot, a host copy more a bucket, and
+        smaller buckets, whose power-of-two blocks are filled less, can leave a copy out that
+        the fixed cap pins. Only the plan is made for a cap not chosen; nothing is allocated.
+        """
+        caps = sorted({self._host_bucket_bytes(), _HOST_BUCKET_BYTES})
+        least = None
+        for cap in caps:
+            optimizers = self.build_cpu_optimizer_list(
+                self.cpu_optimizer_cls, self.cpu_param_groups, cap
+            )
+            if len(caps) == 1:
+                return optimizers, cap
+            buckets = self._lay_out_buckets(optimizers, self._part_bytes(cap), with_steps=False)
+            _, units, _, pinned = self._pinning(buckets)
+            pageable = sum(nbytes for (_, nbytes), pin in zip(units, pinned) if not pin)
+            if least is None or pageable < least[0]:
+                least = (pageable, optimizers, cap)
+        return least[1], least[2]
 
     def _plan_grad_ring(self):
         """Lay out where each host bucket stages its gradients; allocate nothing yet.
@@ -536,44 +563,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         ``_upload``).
         """
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
-        self._buckets: List[_Bucket] = []
         self._device_staging: List[torch.Tensor] = []
-        part_bytes = self._part_bytes()
-        staged = []
-        for optimizer in self.cpu_optimizers:
-            grads, end = [], 0
-            for host in _param_generator(optimizer):
-                param = self.cpu_copys_map_gpu_param.get(host)
-                if param is not None:  # a host-resident parameter has its own gradient
-                    offset = _staged_offset(end)
-                    grads.append((host, param, offset))
-                    end = offset + _nbytes(host)
-            for bucket in self._buckets_of(optimizer, grads, end, part_bytes):
-                if grads:
-                    staged.append(len(self._buckets))
-                self._buckets.append(bucket)
-
-        copies = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
-        pin_slots = self.pin_cpu_grads and bool(copies)
-        # What may be pinned, in upload order: a packed bucket's block as a whole, other
-        # copies one by one.
-        units: List[Tuple[Any, int]] = []
-        if self.pin_cpu_params:
-            for index, bucket in enumerate(self._buckets):
-                on_cuda = [host for host, param, _ in bucket.grads if param.is_cuda]
-                if bucket.packed and on_cuda:
-                    units.append((index, bucket.nbytes))
-                elif bucket.part is None or bucket.part[0] == 0:  # a parted copy counts once
-                    units.extend((host, _nbytes(host)) for host in on_cuda)
-        slots, pinned = plan_pinned_host_memory(
-            [self._buckets[i].nbytes for i in staged],
-            [nbytes for _, nbytes in units],
-            # What upstream's pins hold, block by block, against the fork's counted alike.
-            upstream_pinned_bytes(copies, self.pin_cpu_grads, held=True),
-            _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
-            pin_slots,
-            pinned_block_bytes,
+        self._buckets: List[_Bucket] = self._lay_out_buckets(
+            self.cpu_optimizers, self._part_bytes(self._bucket_cap)
         )
+        staged, units, slots, pinned = self._pinning(self._buckets)
         for k, index in enumerate(staged):
             self._buckets[index].slot = k % slots
             if k + slots < len(staged):
@@ -583,33 +577,75 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._ring_plan = _RingPlan(
             slots,
             slot_sizes(staged_bytes, slots) if slots else [],
-            pin_slots,
+            self.pin_cpu_grads and any(p.is_cuda for p in self.cpu_copys_map_gpu_param.values()),
             staged[:slots],
             [unit for unit in chosen if isinstance(unit, torch.Tensor)],
             [unit for unit in chosen if not isinstance(unit, torch.Tensor)],
         )
         self._ring: List[torch.Tensor] = []
 
-    def _part_bytes(self) -> int:
-        """The size of the parts a large host copy moves in: ``host_part_bytes``, or with
-        ``size_host_buckets`` the sized bucket cap where that is smaller (and a multiple of
-        ``PART_ALIGN_BYTES``), so that no copy is a bucket larger than the others; 0: whole."""
-        sizes = [self.host_part_bytes]
-        if self.size_host_buckets:
-            cap = self._host_bucket_bytes()
-            sizes.append(0 if cap % PART_ALIGN_BYTES else cap)
-        return min((size for size in sizes if size), default=0)
+    def _lay_out_buckets(self, optimizers, part_bytes: int, with_steps: bool = True):
+        """The pipeline's buckets for these host sub-optimizers, in step order, each with its
+        offloaded copies' gradients laid out in a slot (``with_steps`` False: sizes only, no
+        step for a copy in parts)."""
+        buckets: List[_Bucket] = []
+        for optimizer in optimizers:
+            grads, end = [], 0
+            for host in _param_generator(optimizer):
+                param = self.cpu_copys_map_gpu_param.get(host)
+                if param is not None:  # a host-resident parameter has its own gradient
+                    offset = _staged_offset(end)
+                    grads.append((host, param, offset))
+                    end = offset + _nbytes(host)
+            buckets.extend(self._buckets_of(optimizer, grads, end, part_bytes, with_steps))
+        return buckets
 
-    def _buckets_of(self, optimizer, grads, nbytes: int, part_bytes: int) -> List[_Bucket]:
+    def _pinning(self, buckets: List[_Bucket]):
+        """The plan of the ring and the pins for ``buckets``: the indices of those that stage
+        gradients, the units that may be pinned (in upload order: a packed bucket's block as
+        a whole by its index, other copies one by one), the ring's slots and which units are
+        pinned."""
+        staged = [index for index, bucket in enumerate(buckets) if bucket.grads]
+        copies = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
+        units: List[Tuple[Any, int]] = []
+        if self.pin_cpu_params:
+            for index, bucket in enumerate(buckets):
+                on_cuda = [host for host, param, _ in bucket.grads if param.is_cuda]
+                if bucket.packed and on_cuda:
+                    units.append((index, bucket.nbytes))
+                elif bucket.part is None or bucket.part[0] == 0:  # a parted copy counts once
+                    units.extend((host, _nbytes(host)) for host in on_cuda)
+        slots, pinned = plan_pinned_host_memory(
+            [buckets[i].nbytes for i in staged],
+            [nbytes for _, nbytes in units],
+            # What upstream's pins hold, block by block, against the fork's counted alike.
+            upstream_pinned_bytes(copies, self.pin_cpu_grads, held=True),
+            _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
+            self.pin_cpu_grads and bool(copies),
+            pinned_block_bytes,
+        )
+        return staged, units, slots, pinned
+
+    def _part_bytes(self, cap: int) -> int:
+        """The size of the parts a large host copy moves in (0: whole) with buckets of at most
+        ``cap`` bytes: ``host_part_bytes``, or with ``size_host_buckets`` the cap where that is
+        smaller."""
+        return copy_part_bytes(self.host_part_bytes, cap if self.size_host_buckets else None)
+
+    def _buckets_of(
+        self, optimizer, grads, nbytes: int, part_bytes: int, with_steps: bool = True
+    ) -> List[_Bucket]:
         """The pipeline's buckets for one host sub-optimizer: one, or one per part of its
         only copy where that is larger than ``part_bytes`` (:meth:`_part_bytes`) and can be
-        stepped in parts."""
+        stepped in parts (with the step the parts share unless ``with_steps`` is False)."""
         if len(grads) == 1 and part_bytes and nbytes > part_bytes:
             host, param, _ = grads[0]
             if param.is_contiguous() and can_part(optimizer, host):
                 ranges = part_ranges(host.numel(), host.element_size(), part_bytes)
-                parted = PartedCopy(optimizer, self._entries_by_inner[host], ranges)
-                parted.buckets = [
+                parted = None
+                if with_steps:
+                    parted = PartedCopy(optimizer, self._entries_by_inner[host], ranges)
+                buckets = [
                     _Bucket(
                         optimizer,
                         grads,
@@ -621,7 +657,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                     )
                     for start, stop in ranges
                 ]
-                return parted.buckets
+                if parted is not None:
+                    parted.buckets = buckets
+                return buckets
         bucket = _Bucket(optimizer, grads, nbytes)
         bucket.hosts = [host for host, _, _ in grads]
         bucket.params = [param for _, param, _ in grads]

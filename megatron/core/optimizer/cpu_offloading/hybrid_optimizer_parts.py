@@ -36,6 +36,15 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
 PART_ALIGN_BYTES = 64 << 10
 
 
+def copy_part_bytes(part_bytes: int, bucket_cap: Optional[int] = None) -> int:
+    """The size of the parts a copy larger than it moves in: ``part_bytes`` (0: every copy
+    whole), or a sized ``bucket_cap`` where that is smaller and a multiple of
+    ``PART_ALIGN_BYTES``, so that no copy makes a bucket larger than the others."""
+    if part_bytes and bucket_cap and bucket_cap % PART_ALIGN_BYTES == 0:
+        return min(part_bytes, bucket_cap)
+    return part_bytes
+
+
 def part_ranges(numel: int, element_size: int, part_bytes: int) -> List[Tuple[int, int]]:
     """``(start, stop)`` element ranges that cut ``numel`` elements into parts of
     ``part_bytes`` (the last one shorter)."""
