@@ -528,9 +528,10 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         With ``size_host_buckets`` the sized cap is weighed against the fixed one by the
         bytes of host copies each leaves pageable within upstream's pinned budget (the smaller
-        cap on a tie): a pageable copy goes up through a slot, a host copy more a bucket, and
-        smaller buckets, whose power-of-two blocks are filled less, can leave a copy out that
-        the fixed cap pins. Only the plan is made for a cap not chosen; nothing is allocated.
+        cap on a tie): a pageable copy costs each step a host copy into its slot before its
+        upload, and smaller buckets, whose power-of-two blocks are filled less, can leave out a
+        copy that the fixed cap pins. Only the plan is made for a cap not chosen; nothing is
+        allocated for it.
         """
         caps = sorted({self._host_bucket_bytes(), _HOST_BUCKET_BYTES})
         least = None
