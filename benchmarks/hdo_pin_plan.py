@@ -3,14 +3,13 @@
 """Where the HDO's pinned budget goes for the step benchmark's cases, without a GPU.
 
 For each case and offload fraction of ``hdo_step.py``, with ``param_update_in_fp32`` (fp32 host
-copies) and the overlap on: the host buckets as the HDO builds them (``build_cpu_optimizer_list``
-over meta tensors, so nothing is allocated), the ring of gradient slots and the host copies pinned
-within upstream's pinned bytes as ``plan_pinned_host_memory`` chooses them, and what stays
-pageable, with copies moved whole, in parts of the HDO's default ``host_part_bytes`` and in parts
-of ``--part-mib`` (as the HDO parts them under torch's fused AdamW). Prints one line per case,
-fraction and way (also the HDO's default, ``size_host_buckets``: buckets sized to the
-offloaded bytes, the copies above that cap in parts of it, unless the fixed cap leaves fewer
-bytes pageable); no timing.
+copies), torch's fused AdamW on the host and the overlap on: the HDO's own plan of its first step
+(``hybrid_optimizer_plan.plan_host`` over meta tensors, so nothing is allocated), that is the host
+buckets, the ring of gradient slots, the host copies pinned within upstream's pinned bytes and
+what stays pageable, with copies moved whole, in parts of the HDO's default ``host_part_bytes``
+and in parts of ``--part-mib``. Prints one line per case, fraction and way (also the HDO's
+default, ``size_host_buckets``: buckets sized to the offloaded bytes, the copies above that cap
+in parts of it, unless the fixed cap leaves fewer bytes pageable); no timing.
 """
 
 import argparse
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # hdo_cases, as hdo_st
 from hdo_cases import CASES, case_numels  # noqa: E402
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as hdo  # noqa: E402
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan import plan_host  # noqa: E402
 
 
 def host_numels(numels: List[int], fraction: float) -> List[int]:
@@ -43,57 +43,39 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
     the fixed bucket cap or, if ``sized``, the cap the HDO's ``size_host_buckets`` chooses: the
     cap sized to the offloaded bytes (copies above it then move in parts of it, or of
     ``part_bytes`` where that is smaller; ``part_bytes`` 0 moves every copy whole) unless the
-    fixed cap leaves fewer bytes pageable."""
-    copies = [
-        torch.empty(n, dtype=torch.float32, device="meta") for n in host_numels(numels, fraction)
-    ]
-    params = [
-        torch.empty(n, dtype=torch.bfloat16, device="meta") for n in host_numels(numels, fraction)
-    ]
+    fixed cap leaves fewer bytes pageable. Made by the HDO's own planner
+    (``hybrid_optimizer_plan.plan_host``) over meta tensors, as it plans its first step."""
+    chosen = host_numels(numels, fraction)
+    copies = [torch.empty(n, dtype=torch.float32, device="meta") for n in chosen]
+    params = [torch.empty(n, dtype=torch.bfloat16, device="meta") for n in chosen]
     fixed = hdo._HOST_BUCKET_BYTES
-    if not sized:
-        return plan_with_cap(copies, params, fixed, part_bytes)
-    cap = hdo.sized_bucket_bytes(
-        sum(map(hdo._nbytes, copies)), fixed, least=hdo._LEAST_SIZED_BUCKET_BYTES
-    )
-    plans = [
-        plan_with_cap(copies, params, each, hdo.copy_part_bytes(part_bytes, each))
-        for each in sorted({cap, fixed})
-    ]
-    return min(plans, key=lambda figures: figures["pageable"])  # the smaller cap on a tie
-
-
-def plan_with_cap(copies, params, cap: int, part_bytes: int):
-    """:func:`plan`'s figures for host buckets of at most ``cap`` bytes and copies larger than
-    ``part_bytes`` moved in parts of it (0: whole)."""
-    optimizers = hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
-        torch.optim.AdamW, [{"params": copies}], cap
-    )
-    staged, units = [], []  # slot bytes of each bucket (or part); bytes of each pinnable unit
-    for optimizer in optimizers:
-        hosts = optimizer.param_groups[0]["params"]
-        end = 0
-        for host in hosts:
-            end = hdo._staged_offset(end) + hdo._nbytes(host)
-        units.append(end)
-        if part_bytes and len(hosts) == 1 and end > part_bytes:
-            staged += [min(part_bytes, end - start) for start in range(0, end, part_bytes)]
-        else:
-            staged.append(end)
+    caps = [(fixed, part_bytes)]
+    if sized:
+        cap = hdo.sized_bucket_bytes(
+            sum(map(hdo._nbytes, copies)), fixed, least=hdo._LEAST_SIZED_BUCKET_BYTES
+        )
+        caps = [(each, hdo.copy_part_bytes(part_bytes, each)) for each in sorted({cap, fixed})]
     budget = hdo.upstream_pinned_bytes(list(zip(copies, params)), True, held=True)
-    slots, pinned = hdo.plan_pinned_host_memory(
-        staged, units, budget, hdo._RING_SLOTS, True, hdo.pinned_block_bytes
+    host_plan = plan_host(
+        lambda cap: hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
+            torch.optim.AdamW, [{"params": copies, "fused": True}], cap
+        ),
+        caps,
+        dict(zip(copies, params)),
+        budget,
+        hdo._RING_SLOTS,
+        pin_slots=True,
+        pin_copies=True,
     )
-    ring = sum(hdo.pinned_block_bytes(n) for n in hdo.slot_sizes(staged, slots))
     mib = 1 << 20
     return {
-        "cap": cap / mib,
-        "buckets": len(staged),
+        "cap": host_plan.cap / mib,
+        "buckets": len(host_plan.staged),
         "budget": budget / mib,
-        "ring": ring / mib,
-        "pinned": sum(hdo.pinned_block_bytes(u) for u, p in zip(units, pinned) if p) / mib,
-        "pageable copies": pinned.count(False),
-        "pageable": sum(u for u, p in zip(units, pinned) if not p) / mib,
+        "ring": sum(map(hdo.pinned_block_bytes, host_plan.ring_bytes)) / mib,
+        "pinned": host_plan.pinned_bytes / mib,
+        "pageable copies": host_plan.pinned.count(False),
+        "pageable": host_plan.pageable_bytes / mib,
     }
 
 

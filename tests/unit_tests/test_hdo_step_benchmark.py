@@ -414,24 +414,26 @@ def test_the_flat_step_benchmark_times_both_ways_over_the_same_buckets_and_value
 
 
 def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeypatch):
-    """The tool hands the HDO's pinning plan the buckets (whole, in parts, sized) an HDO over
-    the same shards builds, and asks it for as many slots; with sizing, for each cap the HDO
-    weighs. On the CPU the HDO pins nothing, so its ring is not trimmed to a budget: the plan's
-    inputs are compared, not its outcome."""
+    """The tool asks the HDO's planner for what an HDO over the same shards asks it for (whole
+    copies, in parts, sized buckets: each cap weighed, its buckets, parts and pinnable copies)
+    and reports the plan the HDO keeps. On the CPU the HDO pins nothing, so its ring is not
+    trimmed to a budget: the plans' inputs are compared, not their outcome."""
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     if not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False):
         pytest.skip("the fork's buckets")
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_plan
+
     pin_plan = load_tool("../benchmarks/hdo_pin_plan.py", "hdo_pin_plan")
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", 1 << 17)
     asked = []
-    planner = hybrid_optimizer.plan_pinned_host_memory
+    planner = hybrid_optimizer_plan.plan_pinned_host_memory
 
     def recorded(bucket_nbytes, master_nbytes, budget, max_slots, *args, **kwargs):
-        asked.append((list(bucket_nbytes), max_slots))
+        asked.append((list(bucket_nbytes), list(master_nbytes), max_slots))
         return planner(bucket_nbytes, master_nbytes, budget, max_slots, *args, **kwargs)
 
-    monkeypatch.setattr(hybrid_optimizer, "plan_pinned_host_memory", recorded)
+    monkeypatch.setattr(hybrid_optimizer_plan, "plan_pinned_host_memory", recorded)
     numels = [16, 40_001, 3, 90_300, 32_768, 77, 16_385, 5]
     monkeypatch.setattr(hybrid_optimizer, "_LEAST_SIZED_BUCKET_BYTES", 1 << 12)
     ways = [(0, False), (1 << 16, False), (1 << 17, True)]  # whole, parts, sized buckets
@@ -450,12 +452,15 @@ def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeyp
         )
         asked.clear()
         optimizer._ensure_built()
-        built, chosen = asked[:-1], asked[-1]  # with sizing, each cap's plan, then the ring's
+        built = list(asked)
         asked.clear()
         figures = pin_plan.plan(numels, 0.8, part_bytes, sized)
-        assert built == (asked if sized else []) and chosen in asked, (part_bytes, sized)
+        # The HDO on the CPU has no accelerator copies to pin; the tool's are all of them.
+        assert [(b, s) for b, _, s in built] == [(b, s) for b, _, s in asked], (part_bytes, sized)
+        assert len(built) == (2 if sized else 1) and all(masters for _, masters, _ in asked)
         staged = [b for b in optimizer._buckets if b.grads]
-        assert figures["buckets"] == len(staged) == len(chosen[0]) > 1
+        assert figures["buckets"] == len(staged) > 1
+        assert figures["cap"] * (1 << 20) == optimizer._host_plan.cap
         if part_bytes:
             assert len(staged) > len(optimizer.cpu_optimizers)  # the largest copy is parted
         if sized:  # an eighth of the offloaded bytes is below the fixed cap here

@@ -13,7 +13,8 @@ where the host optimizer is torch's fused Adam or AdamW, the bucket is also step
 kernel call over its blocks (:mod:`hybrid_optimizer_flat_step`).
 Pinned host memory stays within what megatron-core 0.19.2 keeps pinned for the same
 parameters; host copies that do not fit stay pageable and go up through their bucket's slot,
-which the next download into it waits for (the plans and layouts: :mod:`hybrid_optimizer_copies`).
+which the next download into it waits for (the plan, made before anything is allocated:
+:mod:`hybrid_optimizer_plan`; the layouts: :mod:`hybrid_optimizer_copies`).
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -32,7 +33,10 @@ from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (  # re-exported
+
+# Some only re-export the planning helpers here, where tests and tools look for them.
+# pylint: disable-next=unused-import
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
     _Bucket,
     _nbytes,
     _on_stream,
@@ -56,9 +60,12 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import Fl
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
     PartedCopy,
-    can_part,
     copy_part_bytes,
-    part_ranges,
+)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan import (
+    HostPlan,
+    plan_host,
+    staged_offset,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
@@ -104,9 +111,6 @@ _LEAST_SIZED_BUCKET_BYTES = 16 << 20
 # copies be pinned within the budget (see plan_pinned_host_memory).
 _RING_SLOTS = 3
 
-# Byte alignment of each gradient inside a slot (one cache line).
-_GRAD_ALIGN = 64
-
 # What _ensure_built creates from the param groups of the moment.
 _BUILT_ON_FIRST_USE = frozenset(
     {
@@ -122,6 +126,7 @@ _BUILT_ON_FIRST_USE = frozenset(
         "_stepped_as_is",
         "cpu_param_groups",
         "gpu_param_groups",
+        "_host_plan",
         "cpu_optimizers",
         "gpu_optimizer",
         "_flat_in_place",
@@ -141,17 +146,6 @@ _BUILT_ON_FIRST_USE = frozenset(
 def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
     """The entries of a param group that a sub-optimizer should follow."""
     return {k: v for k, v in group.items() if k not in ("params", "step") + _HDO_OPTIONS}
-
-
-def _param_generator(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    """The parameters of ``optimizer``, group by group."""
-    for group in optimizer.param_groups:
-        yield from group["params"]
-
-
-def _staged_offset(end: int) -> int:
-    """Where the next gradient goes in a slot filled up to ``end`` bytes (``_GRAD_ALIGN``)."""
-    return -(-end // _GRAD_ALIGN) * _GRAD_ALIGN
 
 
 def _fp32_clones(params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
@@ -477,7 +471,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
         # Buckets in both modes: they bound the gradient staging (and so the pinned memory);
         # the overlap option decides how many buckets are in flight (see _plan_grad_ring).
-        self.cpu_optimizers, self._bucket_cap = self._build_host_optimizers()
+        self._host_plan = self._plan_host()
+        self.cpu_optimizers = self._host_plan.optimizers
         self.gpu_optimizer = (
             self.gpu_optimizer_cls(self.gpu_param_groups) if self.gpu_param_groups else None
         )
@@ -523,33 +518,30 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         return sized_bucket_bytes(staged, _HOST_BUCKET_BYTES, least=_LEAST_SIZED_BUCKET_BYTES)
 
-    def _build_host_optimizers(self) -> Tuple[List[torch.optim.Optimizer], int]:
-        """The host sub-optimizers, one a bucket, and the bucket cap they were built with.
-
-        With ``size_host_buckets`` the sized cap is weighed against the fixed one by the
-        bytes of host copies each leaves pageable within upstream's pinned budget (the smaller
-        cap on a tie): a pageable copy costs each step a host copy into its slot before its
-        upload, and smaller buckets, whose power-of-two blocks are filled less, can leave out a
-        copy that the fixed cap pins. Only the plan is made for a cap not chosen; nothing is
-        allocated for it.
-        """
+    def _plan_host(self) -> HostPlan:
+        """The host sub-optimizers, one a bucket, their buckets and what the ring and pins
+        would be, for the fixed cap or (``size_host_buckets``) for whichever of the sized and
+        the fixed cap leaves fewer bytes of host copies pageable within upstream's pinned
+        budget, the smaller on a tie: a pageable copy costs each step a host copy into its slot
+        before its upload, and smaller buckets, whose power-of-two blocks are filled less, can
+        leave out a copy that the fixed cap pins. Nothing is allocated."""
         caps = sorted({self._host_bucket_bytes(), _HOST_BUCKET_BYTES})
-        least = None
-        for cap in caps:
-            optimizers = self.build_cpu_optimizer_list(
+        crossing = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
+        return plan_host(
+            lambda cap: self.build_cpu_optimizer_list(
                 self.cpu_optimizer_cls, self.cpu_param_groups, cap
-            )
-            if len(caps) == 1:
-                return optimizers, cap
-            buckets = self._lay_out_buckets(optimizers, self._part_bytes(cap), with_steps=False)
-            _, units, _, pinned = self._pinning(buckets)
-            pageable = sum(nbytes for (_, nbytes), pin in zip(units, pinned) if not pin)
-            if least is None or pageable < least[0]:
-                least = (pageable, optimizers, cap)
-        return least[1], least[2]
+            ),
+            [(cap, self._part_bytes(cap)) for cap in caps],
+            self.cpu_copys_map_gpu_param,
+            # What upstream's pins hold, block by block, against the fork's counted alike.
+            upstream_pinned_bytes(crossing, self.pin_cpu_grads, held=True),
+            _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
+            self.pin_cpu_grads and bool(crossing),
+            self.pin_cpu_params,
+        )
 
     def _plan_grad_ring(self):
-        """Lay out where each host bucket stages its gradients; allocate nothing yet.
+        """Take the host plan's buckets and ring; allocate nothing yet.
 
         Buckets are stepped in the sub-optimizers' order (a copy in parts as its run of parts).
         The k-th bucket with offloaded parameters packs its gradients into ring slot
@@ -563,21 +555,20 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         as a whole. The copies left pageable go up through their bucket's slot (see
         ``_upload``).
         """
+        plan = self._host_plan
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
         self._device_staging: List[torch.Tensor] = []
-        self._buckets: List[_Bucket] = self._lay_out_buckets(
-            self.cpu_optimizers, self._part_bytes(self._bucket_cap)
-        )
-        staged, units, slots, pinned = self._pinning(self._buckets)
+        self._buckets: List[_Bucket] = plan.buckets
+        self._share_parted_steps()
+        staged, slots = plan.staged, plan.slots
         for k, index in enumerate(staged):
             self._buckets[index].slot = k % slots
             if k + slots < len(staged):
                 self._buckets[index].follower = staged[k + slots]
-        staged_bytes = [self._buckets[i].nbytes for i in staged]
-        chosen = [unit for (unit, _), pin in zip(units, pinned) if pin]
+        chosen = [unit for (unit, _), pin in zip(plan.units, plan.pinned) if pin]
         self._ring_plan = _RingPlan(
             slots,
-            slot_sizes(staged_bytes, slots) if slots else [],
+            plan.ring_bytes,
             self.pin_cpu_grads and any(p.is_cuda for p in self.cpu_copys_map_gpu_param.values()),
             staged[:slots],
             [unit for unit in chosen if isinstance(unit, torch.Tensor)],
@@ -585,87 +576,24 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
         self._ring: List[torch.Tensor] = []
 
-    def _lay_out_buckets(self, optimizers, part_bytes: int, with_steps: bool = True):
-        """The pipeline's buckets for these host sub-optimizers, in step order, each with its
-        offloaded copies' gradients laid out in a slot (``with_steps`` False: sizes only, no
-        step for a copy in parts)."""
-        buckets: List[_Bucket] = []
-        for optimizer in optimizers:
-            grads, end = [], 0
-            for host in _param_generator(optimizer):
-                param = self.cpu_copys_map_gpu_param.get(host)
-                if param is not None:  # a host-resident parameter has its own gradient
-                    offset = _staged_offset(end)
-                    grads.append((host, param, offset))
-                    end = offset + _nbytes(host)
-            buckets.extend(self._buckets_of(optimizer, grads, end, part_bytes, with_steps))
-        return buckets
-
-    def _pinning(self, buckets: List[_Bucket]):
-        """The plan of the ring and the pins for ``buckets``: the indices of those that stage
-        gradients, the units that may be pinned (in upload order: a packed bucket's block as
-        a whole by its index, other copies one by one), the ring's slots and which units are
-        pinned."""
-        staged = [index for index, bucket in enumerate(buckets) if bucket.grads]
-        copies = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
-        units: List[Tuple[Any, int]] = []
-        if self.pin_cpu_params:
-            for index, bucket in enumerate(buckets):
-                on_cuda = [host for host, param, _ in bucket.grads if param.is_cuda]
-                if bucket.packed and on_cuda:
-                    units.append((index, bucket.nbytes))
-                elif bucket.part is None or bucket.part[0] == 0:  # a parted copy counts once
-                    units.extend((host, _nbytes(host)) for host in on_cuda)
-        slots, pinned = plan_pinned_host_memory(
-            [buckets[i].nbytes for i in staged],
-            [nbytes for _, nbytes in units],
-            # What upstream's pins hold, block by block, against the fork's counted alike.
-            upstream_pinned_bytes(copies, self.pin_cpu_grads, held=True),
-            _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
-            self.pin_cpu_grads and bool(copies),
-            pinned_block_bytes,
-        )
-        return staged, units, slots, pinned
+    def _share_parted_steps(self):
+        """Give each run of parts of one host copy the step its parts share."""
+        runs: Dict[Any, List[_Bucket]] = {}
+        for bucket in self._buckets:
+            if bucket.part is not None:
+                runs.setdefault(bucket.optimizer, []).append(bucket)
+        for optimizer, parts in runs.items():
+            entry = self._entries_by_inner[parts[0].hosts[0]]
+            parted = PartedCopy(optimizer, entry, [bucket.part for bucket in parts])
+            parted.buckets = parts
+            for bucket in parts:
+                bucket.parted = parted
 
     def _part_bytes(self, cap: int) -> int:
         """The size of the parts a large host copy moves in (0: whole) with buckets of at most
         ``cap`` bytes: ``host_part_bytes``, or with ``size_host_buckets`` the cap where that is
         smaller."""
         return copy_part_bytes(self.host_part_bytes, cap if self.size_host_buckets else None)
-
-    def _buckets_of(
-        self, optimizer, grads, nbytes: int, part_bytes: int, with_steps: bool = True
-    ) -> List[_Bucket]:
-        """The pipeline's buckets for one host sub-optimizer: one, or one per part of its
-        only copy where that is larger than ``part_bytes`` (:meth:`_part_bytes`) and can be
-        stepped in parts (with the step the parts share unless ``with_steps`` is False)."""
-        if len(grads) == 1 and part_bytes and nbytes > part_bytes:
-            host, param, _ = grads[0]
-            if param.is_contiguous() and can_part(optimizer, host):
-                ranges = part_ranges(host.numel(), host.element_size(), part_bytes)
-                parted = None
-                if with_steps:
-                    parted = PartedCopy(optimizer, self._entries_by_inner[host], ranges)
-                buckets = [
-                    _Bucket(
-                        optimizer,
-                        grads,
-                        (stop - start) * host.element_size(),
-                        hosts=[host],
-                        params=[param],
-                        part=(start, stop),
-                        parted=parted,
-                    )
-                    for start, stop in ranges
-                ]
-                if parted is not None:
-                    parted.buckets = buckets
-                return buckets
-        bucket = _Bucket(optimizer, grads, nbytes)
-        bucket.hosts = [host for host, _, _ in grads]
-        bucket.params = [param for _, param, _ in grads]
-        bucket.packed = len(grads) > 1 and len({p.device for p in bucket.params}) == 1
-        return [bucket]
 
     @torch.no_grad()
     def _allocate_ring(self):
@@ -750,7 +678,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Build the host optimizers that overlap their steps with the copies.
 
         Each optimizer steps a run of consecutive parameters of one group that, laid out as
-        their gradients are staged (each at a ``_GRAD_ALIGN`` boundary), fit in
+        their gradients are staged (each at a ``GRAD_ALIGN`` boundary), fit in
         ``bucket_bytes``, so it can start as soon as its gradients have landed while small
         parameters share one call. Parameters already on the host are counted too, though
         they stage nothing, so a bucket's staged bytes never exceed the cap. A parameter
@@ -773,7 +701,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             settings = {k: v for k, v in group.items() if k != "params"}
             bucket, end = [], 0
             for param in params:
-                offset = _staged_offset(end)
+                offset = staged_offset(end)
                 if bucket and (bucket_bytes <= 0 or offset + _nbytes(param) > bucket_bytes):
                     optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
                     bucket, offset = [], 0

@@ -1,0 +1,105 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""The HDO's host plan, made over meta tensors as for parameters on an accelerator.
+
+No GPU is needed: a meta parameter stands for one on the accelerator, so the choice between
+bucket caps by the bytes each leaves pageable, the parts of a large copy and what may be pinned
+are checked on any machine, with the same functions the HDO plans its first step with.
+"""
+
+import pytest
+import torch
+
+plan_module = pytest.importorskip("megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan")
+copies_module = pytest.importorskip(
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies"
+)
+
+PART_ALIGN = 64 << 10
+
+
+def shards(numels):
+    """fp32 host copies and bf16 parameters on the meta device, and the map between them."""
+    hosts = [torch.empty(n, dtype=torch.float32, device="meta") for n in numels]
+    params = [torch.empty(n, dtype=torch.bfloat16, device="meta") for n in numels]
+    return hosts, params, dict(zip(hosts, params))
+
+
+def buckets_of(hosts, cap):
+    """Host sub-optimizers of at most ``cap`` staged bytes, as the HDO builds them."""
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    return HybridDeviceOptimizer.build_cpu_optimizer_list(
+        torch.optim.AdamW, [{"params": hosts, "fused": True}], cap
+    )
+
+
+def planned(numels, caps, budget=None, slots=3):
+    """The kept plan for these shards and ``(cap, part bytes)`` choices, with upstream's pinned
+    budget unless ``budget`` is given."""
+    hosts, params, param_of = shards(numels)
+    if budget is None:
+        budget = copies_module.upstream_pinned_bytes(list(zip(hosts, params)), True, held=True)
+    return plan_module.plan_host(
+        lambda cap: buckets_of(hosts, cap), caps, param_of, budget, slots, True, True
+    )
+
+
+# Shards that size to a 32 KiB cap, which fills its power-of-two blocks less than 128 KiB does
+# and so leaves one more copy pageable within upstream's budget.
+UNEVEN = [24095, 13, 8439, 177, 6934, 30127, 168, 9736, 81]
+
+
+def test_the_plan_keeps_the_cap_that_leaves_fewer_bytes_pageable():
+    small, large = (1 << 15, 0), (1 << 17, 0)
+    each = {cap: planned(UNEVEN, [(cap, part)]) for cap, part in (small, large)}
+    assert each[1 << 15].pageable_bytes > each[1 << 17].pageable_bytes > 0
+    for order in ([small, large], [large, small]):
+        assert planned(UNEVEN, order).cap == 1 << 17
+    # Where the two leave as much pageable, the first listed (the HDO lists the smaller) stays.
+    roomy = 1 << 30
+    for order in ([small, large], [large, small]):
+        kept = planned(UNEVEN, order, budget=roomy)
+        assert kept.pageable_bytes == 0 and kept.cap == order[0][0]
+
+
+def test_a_plan_stays_within_its_budget_with_the_ring_first():
+    kept = planned(UNEVEN, [(1 << 15, 0), (1 << 17, 0)])
+    hosts, params, _ = shards(UNEVEN)
+    budget = copies_module.upstream_pinned_bytes(list(zip(hosts, params)), True, held=True)
+    ring = sum(map(copies_module.pinned_block_bytes, kept.ring_bytes))
+    assert 0 < ring and ring + kept.pinned_bytes <= budget
+    assert len(kept.ring_bytes) == kept.slots and max(kept.ring_bytes) <= kept.cap
+    # Every offloaded copy is in one unit, pinned or counted pageable: a packed bucket's block
+    # (its index) or the copy itself.
+    covered = []
+    for unit, _ in kept.units:
+        covered += kept.buckets[unit].hosts if isinstance(unit, int) else [unit]
+    assert sorted(map(id, covered)) == sorted(
+        id(b_host) for b in kept.buckets for b_host in b.hosts
+    )
+    assert len(covered) == len(UNEVEN)
+
+
+def test_a_copy_larger_than_the_part_size_is_a_run_of_aligned_parts_counted_once():
+    numels = [5, 3 * (PART_ALIGN // 4) + 7, 11]  # a copy of three parts and a short fourth
+    kept = planned(numels, [(PART_ALIGN, PART_ALIGN)], budget=1 << 30)
+    parts = [bucket for bucket in kept.buckets if bucket.part is not None]
+    assert [bucket.part for bucket in parts] == [
+        (start, min(start + PART_ALIGN // 4, numels[1]))
+        for start in range(0, numels[1], PART_ALIGN // 4)
+    ]
+    assert len({id(bucket.optimizer) for bucket in parts}) == 1 and len(parts) == 4
+    assert [bucket.nbytes for bucket in parts] == [PART_ALIGN] * 3 + [28]
+    parted_host = parts[0].hosts[0]
+    assert [unit is parted_host for unit, _ in kept.units].count(True) == 1
+    # Without the part size the same copy is one bucket, as large as it is.
+    whole = planned(numels, [(PART_ALIGN, 0)], budget=1 << 30)
+    assert all(bucket.part is None for bucket in whole.buckets)
+    assert max(bucket.nbytes for bucket in whole.buckets) == 4 * numels[1]
+
+
+def test_small_copies_pack_into_one_bucket_laid_out_at_aligned_offsets():
+    kept = planned([3, 5, 17], [(1 << 12, 0)], budget=1 << 30)
+    (bucket,) = kept.buckets
+    assert bucket.packed and [offset for _, _, offset in bucket.grads] == [0, 64, 128]
+    assert bucket.nbytes == 128 + 4 * 17 and kept.units == [(0, bucket.nbytes)]
