@@ -231,7 +231,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     # Cap the host buckets at an eighth of the offloaded bytes (a power of two, between 16 MiB
     # and _HOST_BUCKET_BYTES; see sized_bucket_bytes) instead of the fixed _HOST_BUCKET_BYTES,
-    # unless the fixed cap leaves fewer bytes of host copies pageable (_build_host_optimizers),
+    # unless the fixed cap leaves fewer bytes of host copies pageable (_plan_host),
     # and move the copies larger than the cap in parts of it (or of host_part_bytes if
     # smaller). It changes nothing from 512 MiB offloaded up; below that (a data-parallel
     # rank's shards) the pipeline's ends shorten and a smaller ring leaves more copies pinned
