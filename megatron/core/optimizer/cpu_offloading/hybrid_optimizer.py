@@ -569,7 +569,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._ring_plan = _RingPlan(
             slots,
             plan.ring_bytes,
-            self.pin_cpu_grads and any(p.is_cuda for p in self.cpu_copys_map_gpu_param.values()),
+            plan.pin_slots,
             staged[:slots],
             [unit for unit in chosen if isinstance(unit, torch.Tensor)],
             [unit for unit in chosen if not isinstance(unit, torch.Tensor)],

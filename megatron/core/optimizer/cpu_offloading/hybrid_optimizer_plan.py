@@ -48,6 +48,7 @@ class HostPlan:
         units: what may be pinned, in upload order, with its bytes: a packed bucket's block
             by the bucket's index, any other host copy as itself (a copy in parts once).
         slots: the ring's slot count.
+        pin_slots: whether the ring's slots are pinned.
         pinned: whether each unit is pinned.
     """
 
@@ -57,6 +58,7 @@ class HostPlan:
     staged: List[int]
     units: List[Tuple[Any, int]]
     slots: int
+    pin_slots: bool
     pinned: List[bool]
 
     @property
@@ -175,7 +177,7 @@ def plan_host(
             pin_slots,
             pinned_block_bytes,
         )
-        plan = HostPlan(cap, optimizers, buckets, staged, units, slots, pinned)
+        plan = HostPlan(cap, optimizers, buckets, staged, units, slots, pin_slots, pinned)
         if best is None or plan.pageable_bytes < best.pageable_bytes:
             best = plan
     return best
