@@ -55,23 +55,21 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
             sum(map(hdo._nbytes, copies)), fixed, least=hdo._LEAST_SIZED_BUCKET_BYTES
         )
         caps = [(each, hdo.copy_part_bytes(part_bytes, each)) for each in sorted({cap, fixed})]
-    budget = hdo.upstream_pinned_bytes(list(zip(copies, params)), True, held=True)
     host_plan = plan_host(
         lambda cap: hdo.HybridDeviceOptimizer.build_cpu_optimizer_list(
             torch.optim.AdamW, [{"params": copies, "fused": True}], cap
         ),
         caps,
         dict(zip(copies, params)),
-        budget,
         hdo._RING_SLOTS,
-        pin_slots=True,
+        pin_grads=True,
         pin_copies=True,
     )
     mib = 1 << 20
     return {
         "cap": host_plan.cap / mib,
         "buckets": len(host_plan.staged),
-        "budget": budget / mib,
+        "budget": host_plan.budget / mib,
         "ring": sum(map(hdo.pinned_block_bytes, host_plan.ring_bytes)) / mib,
         "pinned": host_plan.pinned_bytes / mib,
         "pageable copies": host_plan.pinned.count(False),

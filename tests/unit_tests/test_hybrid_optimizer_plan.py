@@ -33,15 +33,16 @@ def buckets_of(hosts, cap):
     )
 
 
-def planned(numels, caps, budget=None, slots=3):
-    """The kept plan for these shards and ``(cap, part bytes)`` choices, with upstream's pinned
-    budget unless ``budget`` is given."""
-    hosts, params, param_of = shards(numels)
-    if budget is None:
-        budget = copies_module.upstream_pinned_bytes(list(zip(hosts, params)), True, held=True)
-    return plan_module.plan_host(
-        lambda cap: buckets_of(hosts, cap), caps, param_of, budget, slots, True, True
-    )
+def planned(numels, caps, roomy=False, slots=3):
+    """The kept plan for these shards and ``(cap, part bytes)`` choices, within upstream's
+    pinned budget, or (``roomy``) one that pins everything."""
+    hosts, _, param_of = shards(numels)
+    with pytest.MonkeyPatch.context() as patch:
+        if roomy:
+            patch.setattr(plan_module, "upstream_pinned_bytes", lambda *_, **__: 1 << 30)
+        return plan_module.plan_host(
+            lambda cap: buckets_of(hosts, cap), caps, param_of, slots, True, True
+        )
 
 
 # Shards that size to a 32 KiB cap, which fills its power-of-two blocks less than 128 KiB does
@@ -56,9 +57,8 @@ def test_the_plan_keeps_the_cap_that_leaves_fewer_bytes_pageable():
     for order in ([small, large], [large, small]):
         assert planned(UNEVEN, order).cap == 1 << 17
     # Where the two leave as much pageable, the first listed (the HDO lists the smaller) stays.
-    roomy = 1 << 30
     for order in ([small, large], [large, small]):
-        kept = planned(UNEVEN, order, budget=roomy)
+        kept = planned(UNEVEN, order, roomy=True)
         assert kept.pageable_bytes == 0 and kept.cap == order[0][0]
 
 
@@ -66,6 +66,7 @@ def test_a_plan_stays_within_its_budget_with_the_ring_first():
     kept = planned(UNEVEN, [(1 << 15, 0), (1 << 17, 0)])
     hosts, params, _ = shards(UNEVEN)
     budget = copies_module.upstream_pinned_bytes(list(zip(hosts, params)), True, held=True)
+    assert kept.budget == budget and kept.pin_slots
     ring = sum(map(copies_module.pinned_block_bytes, kept.ring_bytes))
     assert 0 < ring and ring + kept.pinned_bytes <= budget
     assert len(kept.ring_bytes) == kept.slots and max(kept.ring_bytes) <= kept.cap
@@ -82,7 +83,7 @@ def test_a_plan_stays_within_its_budget_with_the_ring_first():
 
 def test_a_copy_larger_than_the_part_size_is_a_run_of_aligned_parts_counted_once():
     numels = [5, 3 * (PART_ALIGN // 4) + 7, 11]  # a copy of three parts and a short fourth
-    kept = planned(numels, [(PART_ALIGN, PART_ALIGN)], budget=1 << 30)
+    kept = planned(numels, [(PART_ALIGN, PART_ALIGN)], roomy=True)
     parts = [bucket for bucket in kept.buckets if bucket.part is not None]
     assert [bucket.part for bucket in parts] == [
         (start, min(start + PART_ALIGN // 4, numels[1]))
@@ -93,13 +94,13 @@ def test_a_copy_larger_than_the_part_size_is_a_run_of_aligned_parts_counted_once
     parted_host = parts[0].hosts[0]
     assert [unit is parted_host for unit, _ in kept.units].count(True) == 1
     # Without the part size the same copy is one bucket, as large as it is.
-    whole = planned(numels, [(PART_ALIGN, 0)], budget=1 << 30)
+    whole = planned(numels, [(PART_ALIGN, 0)], roomy=True)
     assert all(bucket.part is None for bucket in whole.buckets)
     assert max(bucket.nbytes for bucket in whole.buckets) == 4 * numels[1]
 
 
 def test_small_copies_pack_into_one_bucket_laid_out_at_aligned_offsets():
-    kept = planned([3, 5, 17], [(1 << 12, 0)], budget=1 << 30)
+    kept = planned([3, 5, 17], [(1 << 12, 0)], roomy=True)
     (bucket,) = kept.buckets
     assert bucket.packed and [offset for _, _, offset in bucket.grads] == [0, 64, 128]
     assert bucket.nbytes == 128 + 4 * 17 and kept.units == [(0, bucket.nbytes)]

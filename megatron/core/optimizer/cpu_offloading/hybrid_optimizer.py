@@ -526,17 +526,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         before its upload, and smaller buckets, whose power-of-two blocks are filled less, can
         leave out a copy that the fixed cap pins. Nothing is allocated."""
         caps = sorted({self._host_bucket_bytes(), _HOST_BUCKET_BYTES})
-        crossing = [(h, p) for h, p in self.cpu_copys_map_gpu_param.items() if p.is_cuda]
         return plan_host(
             lambda cap: self.build_cpu_optimizer_list(
                 self.cpu_optimizer_cls, self.cpu_param_groups, cap
             ),
             [(cap, self._part_bytes(cap)) for cap in caps],
             self.cpu_copys_map_gpu_param,
-            # What upstream's pins hold, block by block, against the fork's counted alike.
-            upstream_pinned_bytes(crossing, self.pin_cpu_grads, held=True),
             _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
-            self.pin_cpu_grads and bool(crossing),
+            self.pin_cpu_grads,
             self.pin_cpu_params,
         )
 

@@ -19,6 +19,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
     pinned_block_bytes,
     plan_pinned_host_memory,
     slot_sizes,
+    upstream_pinned_bytes,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import can_part, part_ranges
 
@@ -50,6 +51,7 @@ class HostPlan:
         slots: the ring's slot count.
         pin_slots: whether the ring's slots are pinned.
         pinned: whether each unit is pinned.
+        budget: the most pinned bytes, as the host allocator's blocks (upstream's).
     """
 
     cap: int
@@ -60,6 +62,7 @@ class HostPlan:
     slots: int
     pin_slots: bool
     pinned: List[bool]
+    budget: int
 
     @property
     def staged_bytes(self) -> List[int]:
@@ -146,23 +149,27 @@ def plan_host(
     build: Callable[[int], List[torch.optim.Optimizer]],
     caps: Sequence[Tuple[int, int]],
     param_of: Dict[torch.Tensor, torch.Tensor],
-    budget: int,
     max_slots: int,
-    pin_slots: bool,
+    pin_grads: bool,
     pin_copies: bool,
 ) -> HostPlan:
     """The plan, of one per ``(cap, part_bytes)`` in ``caps``, that leaves the fewest bytes of
-    host copies pageable (the first on a tie, so list the smaller cap first).
+    host copies pageable within what upstream keeps pinned for the same copies (the first on
+    a tie, so list the smaller cap first).
 
     Args:
         build: the host sub-optimizers for buckets of at most so many staged bytes.
         caps: each bucket cap to weigh, with the part size of copies larger than it.
         param_of: each offloaded host copy's parameter.
-        budget: the most pinned bytes, as the host allocator's blocks (upstream's).
         max_slots: ring slots wanted.
-        pin_slots: whether the ring is pinned (counts against ``budget``).
-        pin_copies: whether host copies may be pinned at all.
+        pin_grads: ``pin_cpu_grads``: the ring is pinned where any copy crosses the bus, and
+            upstream pins its gradient buffers.
+        pin_copies: ``pin_cpu_params``: whether host copies may be pinned at all.
     """
+    crossing = [(host, param) for host, param in param_of.items() if on_accelerator(param)]
+    # What upstream's pins hold, block by block, against the fork's counted alike.
+    budget = upstream_pinned_bytes(crossing, pin_grads, held=True)
+    pin_slots = pin_grads and bool(crossing)
     best: Optional[HostPlan] = None
     for cap, part_bytes in caps:
         optimizers = build(cap)
@@ -177,7 +184,7 @@ def plan_host(
             pin_slots,
             pinned_block_bytes,
         )
-        plan = HostPlan(cap, optimizers, buckets, staged, units, slots, pin_slots, pinned)
+        plan = HostPlan(cap, optimizers, buckets, staged, units, slots, pin_slots, pinned, budget)
         if best is None or plan.pageable_bytes < best.pageable_bytes:
             best = plan
     return best
