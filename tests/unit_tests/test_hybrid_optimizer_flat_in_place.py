@@ -66,9 +66,9 @@ def make_params(seed=0, fp32=()):
     ]
 
 
-def make_hdo(cls, params, gpu_cls, fraction=0.5):
+def make_hdo(cls, params, gpu_cls, fraction=0.5, **options):
     """An HDO of class ``cls`` over ``params`` in two groups, as Megatron's factory configures
-    it, with ``gpu_cls`` in place."""
+    it, with ``gpu_cls`` in place (``options``: more settings for both sides)."""
     groups = [
         {"params": params[:6], "weight_decay": 0.01},
         {"params": params[6:], "weight_decay": 0.0},
@@ -82,6 +82,7 @@ def make_hdo(cls, params, gpu_cls, fraction=0.5):
         lr=1e-3,
         betas=(0.9, 0.95),
         eps=1e-8,
+        **options,
     )
 
 
@@ -524,3 +525,105 @@ def larger_then_smaller(hdo):
     """The largest and the smallest tensor of the in-place optimizer's first group."""
     tensors = sorted(hdo.gpu_optimizer.param_groups[0]["params"], key=torch.Tensor.numel)
     return tensors[-1], tensors[0]
+
+
+# ------------------------------------------------------------ torch's fused Adam and AdamW
+
+
+def fused_and_reference(gpu_cls, **options):
+    """An HDO with torch's fused ``gpu_cls`` in place (fused on both sides, as Megatron's
+    factory sets it) and its reference, which leaves that step to torch: ``(hdo, params),
+    (reference, ref_params)``."""
+    params, ref_params = make_params(), make_params()
+    options = dict(fused=True, **options)
+    return (
+        (make_hdo(HybridDeviceOptimizer, params, gpu_cls, **options), params),
+        (make_hdo(PerTensorHDO, ref_params, gpu_cls, **options), ref_params),
+    )
+
+
+def assert_same_state(hdo, reference, params, ref_params):
+    """Parameters and every state entry (counters, moments, masters) equal bit for bit."""
+    for index, (a, b) in enumerate(zip(params, ref_params)):
+        assert torch.equal(a, b), f"parameter {index} differs"
+        mine, theirs = hdo.state[a], reference.state[b]
+        assert sorted(mine) == sorted(theirs), index
+        for key, value in theirs.items():
+            assert torch.equal(mine[key], value), f"{key} of parameter {index} differs"
+
+
+@pytest.mark.parametrize("gpu_cls", [torch.optim.AdamW, torch.optim.Adam], ids=["adamw", "adam"])
+def test_torch_fused_adam_in_place_is_its_kernel_over_the_clones_after_the_first_step(
+    gpu_cls, monkeypatch
+):
+    """After the first step (torch's own, which creates the state), the in-place share is
+    stepped without torch's ``step``, by its kernel over the clones' lists, to the same bits."""
+    walked = count_walked(monkeypatch, gpu_cls)
+    (hdo, params), (reference, ref_params) = fused_and_reference(gpu_cls)
+    generator = torch.Generator().manual_seed(5)
+    in_place = sum(1 for p in params if p not in hdo.gpu_params_map_cpu_copy)
+    for step in range(4):
+        give_grads(generator, params, ref_params)
+        walked.clear()
+        hdo.step()
+        # torch's step: the HDO's host sub-optimizers (stepped flat after their first step)
+        # and its in-place one on the first step only.
+        assert (in_place in walked) == (step == 0), (step, walked)
+        reference.step()
+        assert_same_state(hdo, reference, params, ref_params)
+        hdo.zero_grad()
+        reference.zero_grad()
+
+
+def test_torch_fused_adamw_steps_the_state_a_client_put_in_place(monkeypatch):
+    """Moments a client replaces with tensors of its own (on the parameters' device) are the
+    ones the kernel steps; a counter moved off the device leaves the step to torch."""
+    del monkeypatch
+    (hdo, params), (reference, ref_params) = fused_and_reference(torch.optim.AdamW)
+    generator = torch.Generator().manual_seed(6)
+    in_place = [i for i, p in enumerate(params) if p not in hdo.gpu_params_map_cpu_copy]
+    for step in range(5):
+        give_grads(generator, params, ref_params)
+        hdo.step()
+        reference.step()
+        assert_same_state(hdo, reference, params, ref_params)
+        if step == 1:
+            for optimizer, tensors in ((hdo, params), (reference, ref_params)):
+                for index in in_place:
+                    entry = optimizer.state[tensors[index]]
+                    entry["exp_avg"] = entry["exp_avg"].clone()
+            held = [hdo.state[params[i]]["exp_avg"] for i in in_place]
+        if step == 2:
+            # The tensors the client put there were stepped (the kernel works in place).
+            for index, value in zip(in_place, held):
+                assert hdo.state[params[index]]["exp_avg"] is value
+                assert torch.equal(value, reference.state[ref_params[index]]["exp_avg"])
+
+
+@pytest.mark.parametrize("setting", ["amsgrad", "not-fused"])
+def test_torch_adamw_in_place_steps_itself_where_its_kernel_call_would_differ(setting, monkeypatch):
+    """amsgrad, or no fused kernel: torch's own step runs every time."""
+    walked = count_walked(monkeypatch, torch.optim.AdamW)
+    options = {"amsgrad": {"fused": True, "amsgrad": True}, "not-fused": {"fused": False}}
+    params = make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, torch.optim.AdamW, **options[setting])
+    in_place = sum(1 for p in params if p not in hdo.gpu_params_map_cpu_copy)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        give_grads(generator, params)
+        walked.clear()
+        hdo.step()
+        assert in_place in walked
+
+
+def test_step_hooks_of_torch_fused_adamw_in_place_run_on_every_step():
+    """A step hook on the in-place optimizer sees every step, so torch's step runs it."""
+    params = make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, torch.optim.AdamW, fused=True)
+    seen = []
+    hdo.gpu_optimizer.register_step_post_hook(lambda optimizer, *_: seen.append(optimizer))
+    generator = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        give_grads(generator, params)
+        hdo.step()
+    assert seen == [hdo.gpu_optimizer] * 3

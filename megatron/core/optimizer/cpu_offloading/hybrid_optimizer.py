@@ -26,7 +26,7 @@ optimizer does. ``state[p]`` is the very dict the sub-optimizer steps for the in
 thing.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type, Union
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -54,7 +54,8 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place impor
     _MOMENTS,
     PLAIN_TENSORS,
     FlatInPlaceStep,
-    steps_flat,
+    FusedListStep,
+    in_place_step,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
@@ -219,7 +220,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     flat_host_steps = True
 
     # Step Transformer Engine's FusedAdam in place over runs of adjacent fp32 clones instead of
-    # tensor by tensor (see hybrid_optimizer_flat_in_place); False leaves its step to it.
+    # tensor by tensor, and torch's fused Adam or AdamW by its kernel over the clones' lists
+    # without its walk over them (see hybrid_optimizer_flat_in_place); False leaves the step to
+    # the in-place sub-optimizer.
     flat_in_place_steps = True
 
     # Host copies larger than this many bytes (a multiple of PART_ALIGN_BYTES) are stepped and
@@ -785,13 +788,14 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         same = torch.cuda.current_device() == device.index and self._h2d_stream.device == device
         return current if same else None
 
-    def _flat_in_place_step(self) -> Optional[FlatInPlaceStep]:
-        """The flat in-place step of the in-place sub-optimizer of the moment, if it is on."""
+    def _flat_in_place_step(self) -> Optional[Union[FlatInPlaceStep, FusedListStep]]:
+        """The step that spares the in-place sub-optimizer of the moment its walk over the
+        parameters (see :func:`in_place_step`), if it is on."""
         optimizer = self.gpu_optimizer
         if optimizer is None or not self.flat_in_place_steps:
             return None
         if self._flat_in_place is None or self._flat_in_place.optimizer is not optimizer:
-            self._flat_in_place = FlatInPlaceStep(optimizer)
+            self._flat_in_place = in_place_step(optimizer)
         return self._flat_in_place
 
     def _step_in_place(self):
@@ -807,11 +811,12 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _step_clones_over_runs(self) -> bool:
         """The in-place step where the in-place sub-optimizer steps the fp32 clones alone and
-        takes runs of them (TE's FusedAdam): their gradients are widened into one buffer laid
-        out like the clones' block and handed over as runs, with no gradient tensor per clone.
-        False (nothing stepped) where that does not apply this step."""
+        is TE's FusedAdam (over runs of them) or torch's fused Adam or AdamW (its kernel over
+        their lists): their gradients are widened into one buffer laid out like the clones'
+        block and handed over from there, with no gradient set on any clone. False (nothing
+        stepped) where that does not apply this step."""
         flat, block = self._flat_in_place_step(), self._clone_block
-        if flat is None or block is None or not steps_flat(flat.optimizer):
+        if flat is None or block is None or not flat.applies():
             return False
         stepped = sum(len(group["params"]) for group in flat.optimizer.param_groups)
         if stepped != len(self._clones_in_place):
@@ -906,14 +911,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _step_in_place_whole(self):
         """All the in-place side of a step: the clones' widened gradients, the in-place
         sub-optimizer's step, and the clones copied back into their parameters."""
-        if not self._step_clones_over_runs():
+        from_buffer = self._step_clones_over_runs()
+        if not from_buffer:
             self._widen_clone_grads()
             self._step_in_place()
         if self._clones_in_place:
             params, clones = (list(t) for t in zip(*self._clones_in_place))
             torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
-            for clone in clones:
-                clone.grad = None  # the widened gradient is only needed for this step
+            if not from_buffer:
+                for clone in clones:
+                    clone.grad = None  # the widened gradient is only needed for this step
 
     def _register_param_copy_back_gpu_hook(self):
         """Nothing to register: ``step`` uploads each host bucket itself, as soon as it is

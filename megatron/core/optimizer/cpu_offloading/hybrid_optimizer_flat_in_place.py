@@ -33,6 +33,8 @@ from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
     _hooked,
+    _scaled,
+    fused_kernel_settings,
     share_memory,
     tensor_marks,
 )
@@ -178,6 +180,10 @@ class FlatInPlaceStep:
         self._layouts: List[_Layout] = []
         self._seen: Optional[tuple] = None  # the tensors and addresses the last flat step saw
         self._checked: Optional[tuple] = None  # and those the last lay-out left
+
+    def applies(self) -> bool:
+        """Whether the optimizer's mode lets its step take runs (:func:`steps_flat`)."""
+        return steps_flat(self.optimizer)
 
     def _entries(self):
         """The state entry of every parameter ({} where it has none)."""
@@ -419,3 +425,131 @@ def _look(groups) -> Optional[tuple]:
     if not all(type(tensor) in PLAIN_TENSORS for tensor in tensors):
         return None
     return (tuple(sizes), *tensor_marks(tensors))
+
+
+# torch's own Adam classes, whose fused step is one kernel call over each group's lists.
+FUSED_TORCH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+
+
+class FusedListStep:
+    """Steps torch's fused Adam or AdamW in place by its kernel over each group's lists.
+
+    Torch's step walks every parameter in Python (its gradient, its state, grouping by device
+    and dtype) before one kernel call per group; with thousands of shards stepped in place
+    that walk holds the calling thread for milliseconds to tens of them, which the host
+    buckets then wait for. Once every parameter has the state torch's fused step keeps, that
+    call is made here over the same lists (each parameter's own counter and moments, in the
+    group's order), with the gradients cut from the HDO's widened buffer instead of set on each
+    parameter: the same kernel over the same tensors, so the same bits. The first step (which
+    creates the state), amsgrad, hooks, a scaler, capturable or foreach modes, a tensor
+    learning rate and state on another device or of another dtype leave the step to the
+    optimizer. Nothing is laid out: the state stays where torch's step put it.
+
+    Args:
+        optimizer: the HDO's in-place optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._seen: Optional[tuple] = None  # the tensors and addresses the last step checked
+        self._spans: List[Tuple[int, int]] = []  # each group's elements in the gradient buffer
+
+    def applies(self) -> bool:
+        """Whether the optimizer is torch's fused Adam or AdamW in the mode whose step is one
+        kernel call per group with a float learning rate, its own ``step`` (none set on the
+        instance), and nothing watches that step."""
+        optimizer = self.optimizer
+        if type(optimizer) not in FUSED_TORCH_CLASSES or "step" in vars(optimizer):
+            return False
+        if _hooked(optimizer) or _scaled(optimizer):
+            return False
+        for group in optimizer.param_groups:
+            settings = fused_kernel_settings(group)
+            if settings is None or isinstance(settings["lr"], torch.Tensor):
+                return False
+        return True
+
+    @torch.no_grad()
+    def step(self, grads: Optional[Tuple[torch.Tensor, int]] = None) -> bool:
+        """Make the optimizer's kernel calls, if its mode and state allow; False (nothing done)
+        if not, and the optimizer must step itself.
+
+        Args:
+            grads: the gradients of all parameters in one fp32 buffer laid out as the
+                parameters' memory is from address ``base``: ``(buffer, base)``. Without it
+                nothing is done (each parameter's ``grad`` is torch's own step to read).
+        """
+        if grads is None or not self.applies():
+            return False
+        buffer, base = grads
+        entries_of = state_entries(self.optimizer.state)
+        groups = []
+        for group in self.optimizer.param_groups:
+            entries = entries_of(group["params"])
+            state = [list(map(dict.get, entries, repeat(key))) for key in ("step",) + _MOMENTS]
+            groups.append((group["params"], *state))
+        try:
+            seen = tensor_marks([t for tensors in groups for values in tensors for t in values])
+        except TypeError:  # state missing (a first step) or no tensor
+            return False
+        if seen != self._seen and not self._check(groups, buffer, base):
+            return False
+        calls = []
+        for (params, counters, avgs, sqs), group, (start, end) in zip(
+            groups, self.optimizer.param_groups, self._spans
+        ):
+            group_grads = _unflatten_dense_tensors(buffer[start:end], params)
+            calls.append((params, group_grads, avgs, sqs, counters, fused_kernel_settings(group)))
+        for params, group_grads, avgs, sqs, counters, settings in calls:
+            kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
+            torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
+            kernel(params, group_grads, avgs, sqs, [], counters, **settings)
+        return True
+
+    def _check(self, groups, buffer: torch.Tensor, base: int) -> bool:
+        """Whether torch's step would make exactly these calls: every tensor a plain fp32 one
+        on the buffer's device, parameters dense and back to back from ``base`` as the buffer
+        is laid out, moments of their parameters' shapes, counters scalars; remembers where
+        each group's gradients start, and the tensors as checked, if so."""
+        self._seen = None
+        device, spans, at = buffer.device, [], base
+        for params, counters, avgs, sqs in groups:
+            start = (at - base) // 4
+            for param in params:
+                if param.data_ptr() != at or not param.is_contiguous():
+                    return False
+                at += param.nbytes
+            spans.append((start, (at - base) // 4))
+            tensors = params + counters + avgs + sqs
+            if not all(type(t) in PLAIN_TENSORS for t in tensors):
+                return False
+            if {(t.device, t.dtype) for t in tensors} != {(device, torch.float32)}:
+                return False
+            if any(counter.dim() for counter in counters):
+                return False
+            shapes = [param.shape for param in params]
+            if [avg.shape for avg in avgs] != shapes or [sq.shape for sq in sqs] != shapes:
+                return False
+        if buffer.dtype != torch.float32 or (at - base) // 4 > buffer.numel():
+            return False
+        self._spans = spans
+        self._seen = tensor_marks([t for tensors in groups for values in tensors for t in values])
+        return True
+
+    def lay_out(self) -> bool:
+        """Nothing to lay out: the kernel takes each parameter's state where it is."""
+        return False
+
+    def create_state(self, only: Optional[Set[int]] = None) -> bool:
+        """Nothing created ahead: torch's own first step creates the state (``only`` unused)."""
+        del only
+        return False
+
+
+def in_place_step(optimizer: torch.optim.Optimizer):
+    """The step that spares ``optimizer`` its walk over the parameters: over runs for TE's
+    FusedAdam (:class:`FlatInPlaceStep`), over its lists for torch's own fused Adam and AdamW
+    (:class:`FusedListStep`)."""
+    if type(optimizer) in FUSED_TORCH_CLASSES:
+        return FusedListStep(optimizer)
+    return FlatInPlaceStep(optimizer)

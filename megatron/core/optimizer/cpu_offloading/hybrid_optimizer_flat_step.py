@@ -81,6 +81,36 @@ def suits(optimizer: torch.optim.Optimizer, hosts: List[torch.Tensor]) -> bool:
     return len(dtypes) == 1 and hosts[0].is_floating_point() and not hosts[0].is_complex()
 
 
+def fused_kernel_settings(group) -> Optional[dict]:
+    """The arguments of torch's fused Adam kernel for ``group`` (``decoupled`` tells AdamW's
+    from Adam's), or None where its step is not that one call: not fused, amsgrad, a learning
+    rate on an accelerator, tensor betas."""
+    decoupled = group.get("decoupled_weight_decay")
+    if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
+        return None
+    if group.get("foreach"):  # torch refuses it beside fused (or a tensor lr): let it say so
+        return None
+    if decoupled is None or group.get("capturable"):
+        return None
+    lr, (beta1, beta2) = group["lr"], group["betas"]
+    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
+        return None
+    if isinstance(beta1, torch.Tensor) or isinstance(beta2, torch.Tensor):
+        return None
+    return dict(
+        decoupled=decoupled,
+        amsgrad=False,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group.get("maximize", False),
+        grad_scale=None,
+        found_inf=None,
+    )
+
+
 class FlatAdamStep:
     """Steps a host bucket's runs of copies in one fused Adam call.
 
@@ -126,7 +156,7 @@ class FlatAdamStep:
         """Step the bucket flat, if its state allows; False (nothing done) if not, and the
         sub-optimizer must step it. Every copy must have its slot view as its gradient."""
         group = self.optimizer.param_groups[0]
-        settings = self._kernel_settings(group)
+        settings = fused_kernel_settings(group)
         if settings is None or _hooked(self.optimizer) or _scaled(self.optimizer):
             return False
         counters, moments = self._state()
@@ -154,35 +184,6 @@ class FlatAdamStep:
         )
         self._seen = seen
         return True
-
-    @staticmethod
-    def _kernel_settings(group) -> Optional[dict]:
-        """The fused kernel's arguments for ``group``, or None where its step is not that
-        one call: not fused, amsgrad, a learning rate on an accelerator, tensor betas."""
-        decoupled = group.get("decoupled_weight_decay")
-        if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
-            return None
-        if group.get("foreach"):  # torch refuses it beside fused (or a tensor lr): let it say so
-            return None
-        if decoupled is None or group.get("capturable"):
-            return None
-        lr, (beta1, beta2) = group["lr"], group["betas"]
-        if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
-            return None
-        if isinstance(beta1, torch.Tensor) or isinstance(beta2, torch.Tensor):
-            return None
-        return dict(
-            decoupled=decoupled,
-            amsgrad=False,
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group.get("maximize", False),
-            grad_scale=None,
-            found_inf=None,
-        )
 
     def _state(self):
         """Each entry's counter and moments, as lists (None where one is missing)."""

@@ -26,9 +26,9 @@ import torch
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
     _MOMENTS,
-    FlatAdamStep,
     _hooked,
     _scaled,
+    fused_kernel_settings,
     share_memory,
 )
 
@@ -63,7 +63,7 @@ def _part_settings(optimizer: torch.optim.Optimizer, host: torch.Tensor) -> Opti
         return None
     if not host.is_floating_point() or host.is_complex() or not host.is_contiguous():
         return None
-    return FlatAdamStep._kernel_settings(groups[0])  # pylint: disable=protected-access
+    return fused_kernel_settings(groups[0])
 
 
 def can_part(optimizer: torch.optim.Optimizer, host: torch.Tensor) -> bool:
