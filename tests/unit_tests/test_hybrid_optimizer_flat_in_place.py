@@ -542,6 +542,26 @@ def fused_and_reference(gpu_cls, **options):
     )
 
 
+def count_torch_walks(monkeypatch):
+    """A list that gets, for each walk torch's Adam step takes over its parameters
+    (``_init_group``), the optimizer walked."""
+    walks = []
+    for cls in (torch.optim.Adam, torch.optim.AdamW):  # each may hold its own by now
+        original = cls._init_group  # pylint: disable=protected-access
+
+        def spy(self, *args, original=original, **kwargs):
+            walks.append(self)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "_init_group", spy)
+    return walks
+
+
+def in_place_indices(hdo, params):
+    """Indices of the parameters stepped in place."""
+    return [i for i, p in enumerate(params) if p not in hdo.gpu_params_map_cpu_copy]
+
+
 def assert_same_state(hdo, reference, params, ref_params):
     """Parameters and every state entry (counters, moments, masters) equal bit for bit."""
     for index, (a, b) in enumerate(zip(params, ref_params)):
@@ -552,68 +572,92 @@ def assert_same_state(hdo, reference, params, ref_params):
             assert torch.equal(mine[key], value), f"{key} of parameter {index} differs"
 
 
-@pytest.mark.parametrize("gpu_cls", [torch.optim.AdamW, torch.optim.Adam], ids=["adamw", "adam"])
+def step_both(generator, hdo, reference, params, ref_params, lr=None):
+    """One step of both on the same gradients (and learning rate, if given)."""
+    give_grads(generator, params, ref_params)
+    if lr is not None:
+        for optimizer in (hdo, reference):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+    hdo.step()
+    reference.step()
+
+
+@pytest.mark.parametrize(
+    "gpu_cls, options",
+    [
+        (torch.optim.AdamW, {}),
+        (torch.optim.Adam, {}),
+        (torch.optim.Adam, {"decoupled_weight_decay": True}),
+        (torch.optim.AdamW, {"maximize": True}),
+    ],
+    ids=["adamw", "adam", "adam-decoupled", "adamw-maximize"],
+)
 def test_torch_fused_adam_in_place_is_its_kernel_over_the_clones_after_the_first_step(
-    gpu_cls, monkeypatch
+    gpu_cls, options, monkeypatch
 ):
     """After the first step (torch's own, which creates the state), the in-place share is
-    stepped without torch's ``step``, by its kernel over the clones' lists, to the same bits."""
-    walked = count_walked(monkeypatch, gpu_cls)
-    (hdo, params), (reference, ref_params) = fused_and_reference(gpu_cls)
+    stepped without torch's walk over it, by its kernel over the clones' lists, to the same
+    bits, with the learning rate of the moment."""
+    walks = count_torch_walks(monkeypatch)
+    (hdo, params), (reference, ref_params) = fused_and_reference(gpu_cls, **options)
     generator = torch.Generator().manual_seed(5)
-    in_place = sum(1 for p in params if p not in hdo.gpu_params_map_cpu_copy)
     for step in range(4):
-        give_grads(generator, params, ref_params)
-        walked.clear()
-        hdo.step()
-        # torch's step: the HDO's host sub-optimizers (stepped flat after their first step)
-        # and its in-place one on the first step only.
-        assert (in_place in walked) == (step == 0), (step, walked)
-        reference.step()
+        walks.clear()
+        step_both(generator, hdo, reference, params, ref_params, lr=1e-3 * 0.5**step)
+        assert (hdo.gpu_optimizer in walks) == (step == 0), step
+        assert reference.gpu_optimizer in walks
         assert_same_state(hdo, reference, params, ref_params)
-        hdo.zero_grad()
-        reference.zero_grad()
 
 
 def test_torch_fused_adamw_steps_the_state_a_client_put_in_place(monkeypatch):
     """Moments a client replaces with tensors of its own (on the parameters' device) are the
-    ones the kernel steps; a counter moved off the device leaves the step to torch."""
-    del monkeypatch
+    ones the kernel steps, without torch's walk."""
+    walks = count_torch_walks(monkeypatch)
     (hdo, params), (reference, ref_params) = fused_and_reference(torch.optim.AdamW)
     generator = torch.Generator().manual_seed(6)
-    in_place = [i for i, p in enumerate(params) if p not in hdo.gpu_params_map_cpu_copy]
-    for step in range(5):
-        give_grads(generator, params, ref_params)
-        hdo.step()
-        reference.step()
-        assert_same_state(hdo, reference, params, ref_params)
-        if step == 1:
-            for optimizer, tensors in ((hdo, params), (reference, ref_params)):
-                for index in in_place:
-                    entry = optimizer.state[tensors[index]]
-                    entry["exp_avg"] = entry["exp_avg"].clone()
-            held = [hdo.state[params[i]]["exp_avg"] for i in in_place]
-        if step == 2:
-            # The tensors the client put there were stepped (the kernel works in place).
-            for index, value in zip(in_place, held):
-                assert hdo.state[params[index]]["exp_avg"] is value
-                assert torch.equal(value, reference.state[ref_params[index]]["exp_avg"])
+    in_place = in_place_indices(hdo, params)
+    for _ in range(2):
+        step_both(generator, hdo, reference, params, ref_params)
+    for optimizer, tensors in ((hdo, params), (reference, ref_params)):
+        for index in in_place:
+            entry = optimizer.state[tensors[index]]
+            entry["exp_avg"] = entry["exp_avg"].clone()
+    held = [hdo.state[params[i]]["exp_avg"] for i in in_place]
+    before = [value.clone() for value in held]
+    walks.clear()
+    step_both(generator, hdo, reference, params, ref_params)
+    assert hdo.gpu_optimizer not in walks
+    assert_same_state(hdo, reference, params, ref_params)
+    for index, value, old in zip(in_place, held, before):
+        assert hdo.state[params[index]]["exp_avg"] is value
+        assert not torch.equal(value, old)  # stepped where the client put it
 
 
-@pytest.mark.parametrize("setting", ["amsgrad", "not-fused"])
+@pytest.mark.parametrize("setting", ["amsgrad", "not-fused", "class-patched"])
 def test_torch_adamw_in_place_steps_itself_where_its_kernel_call_would_differ(setting, monkeypatch):
-    """amsgrad, or no fused kernel: torch's own step runs every time."""
-    walked = count_walked(monkeypatch, torch.optim.AdamW)
-    options = {"amsgrad": {"fused": True, "amsgrad": True}, "not-fused": {"fused": False}}
+    """amsgrad, no fused kernel, or a step patched on the class: torch's own step runs."""
+    walks = count_torch_walks(monkeypatch)
+    options = {"amsgrad": {"amsgrad": True}, "not-fused": {"fused": False}}.get(setting, {})
     params = make_params()
-    hdo = make_hdo(HybridDeviceOptimizer, params, torch.optim.AdamW, **options[setting])
-    in_place = sum(1 for p in params if p not in hdo.gpu_params_map_cpu_copy)
+    hdo = make_hdo(HybridDeviceOptimizer, params, torch.optim.AdamW, **{"fused": True, **options})
+    patched = []
+    if setting == "class-patched":
+        original = torch.optim.AdamW.step
+
+        def patched_step(self, *args, **kwargs):
+            patched.append(self)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.optim.AdamW, "step", patched_step)
     generator = torch.Generator().manual_seed(7)
     for _ in range(3):
         give_grads(generator, params)
-        walked.clear()
+        walks.clear()
         hdo.step()
-        assert in_place in walked
+        assert hdo.gpu_optimizer in walks
+    if setting == "class-patched":
+        assert patched.count(hdo.gpu_optimizer) == 3
 
 
 def test_step_hooks_of_torch_fused_adamw_in_place_run_on_every_step():
@@ -627,3 +671,21 @@ def test_step_hooks_of_torch_fused_adamw_in_place_run_on_every_step():
         give_grads(generator, params)
         hdo.step()
     assert seen == [hdo.gpu_optimizer] * 3
+
+
+def test_a_counter_seen_as_another_dtype_in_place_is_torch_s_to_refuse():
+    """A counter whose ``.data`` a client made an int32 view of the same memory (same object,
+    same address) is not stepped as fp32: torch's step refuses the state, and no counter moves."""
+    params = make_params()
+    hdo = make_hdo(HybridDeviceOptimizer, params, torch.optim.AdamW, fused=True)
+    generator = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        give_grads(generator, params)
+        hdo.step()
+    in_place = in_place_indices(hdo, params)
+    counters = [hdo.state[params[i]]["step"] for i in in_place]
+    counters[0].data = counters[0].data.view(torch.int32)
+    give_grads(generator, params)
+    with pytest.raises(RuntimeError):
+        hdo.step()
+    assert all(float(c.view(torch.float32)) == 2.0 for c in counters)

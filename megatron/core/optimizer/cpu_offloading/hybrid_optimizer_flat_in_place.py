@@ -1,5 +1,8 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
-"""The in-place step over runs of adjacent tensors, for Transformer Engine's FusedAdam.
+"""The in-place step without the in-place optimizer's walk over its parameters.
+
+Transformer Engine's FusedAdam takes runs of adjacent tensors (below); torch's own fused Adam
+and AdamW get their kernel calls made over the same lists (:class:`FusedListStep`).
 
 TE's FusedAdam checks and gathers each parameter in Python (its state, its gradient, its
 dtype, DTensor parity) before one multi-tensor kernel; with thousands of shards stepped in
@@ -25,6 +28,7 @@ alone takes its whole block along (a whole state dict takes each block once), an
 client took of a moment before it was laid out still shows the old memory.
 """
 
+import inspect
 from itertools import repeat
 from typing import Callable, List, Optional, Sequence, Set, Tuple
 
@@ -430,6 +434,18 @@ def _look(groups) -> Optional[tuple]:
 # torch's own Adam classes, whose fused step is one kernel call over each group's lists.
 FUSED_TORCH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
+# The body of their step, under the wrappers torch puts around it.
+_TORCH_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+
+
+def _torch_own_step(cls: type) -> bool:
+    """Whether ``cls.step`` is torch's own: its hook-running wrapper (made when the first
+    instance is) over the grad-mode wrapper over Adam's step, nothing patched in between."""
+    step = cls.step
+    if getattr(step, "hooked", False):
+        step = getattr(step, "__wrapped__", None)
+    return getattr(step, "__wrapped__", None) is _TORCH_ADAM_STEP
+
 
 class FusedListStep:
     """Steps torch's fused Adam or AdamW in place by its kernel over each group's lists.
@@ -456,10 +472,12 @@ class FusedListStep:
 
     def applies(self) -> bool:
         """Whether the optimizer is torch's fused Adam or AdamW in the mode whose step is one
-        kernel call per group with a float learning rate, its own ``step`` (none set on the
-        instance), and nothing watches that step."""
+        kernel call per group with a float learning rate, its step torch's own (none set on the
+        instance or patched on the class), and nothing watches that step."""
         optimizer = self.optimizer
         if type(optimizer) not in FUSED_TORCH_CLASSES or "step" in vars(optimizer):
+            return False
+        if not _torch_own_step(type(optimizer)):
             return False
         if _hooked(optimizer) or _scaled(optimizer):
             return False
@@ -482,17 +500,26 @@ class FusedListStep:
         if grads is None or not self.applies():
             return False
         buffer, base = grads
-        entries_of = state_entries(self.optimizer.state)
+        if buffer.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False  # torch's step refuses to be captured in this mode: let it say so
+        optimizer = self.optimizer
+        entries_of = state_entries(optimizer.state)
         groups = []
-        for group in self.optimizer.param_groups:
+        for group in optimizer.param_groups:
             entries = entries_of(group["params"])
             state = [list(map(dict.get, entries, repeat(key))) for key in ("step",) + _MOMENTS]
             groups.append((group["params"], *state))
+        tensors = [t for tensors in groups for values in tensors for t in values]
         try:
-            seen = tensor_marks([t for tensors in groups for values in tensors for t in values])
+            seen = tensor_marks(tensors)
         except TypeError:  # state missing (a first step) or no tensor
             return False
         if seen != self._seen and not self._check(groups, buffer, base):
+            return False
+        # A dtype can change under the same object and address (a ``.data`` view): read every
+        # step, since the kernel would take such a counter or moment as fp32.
+        if set(map(_dtype, tensors)) != {torch.float32}:
+            self._seen = None
             return False
         calls = []
         for (params, counters, avgs, sqs), group, (start, end) in zip(
@@ -500,10 +527,15 @@ class FusedListStep:
         ):
             group_grads = _unflatten_dense_tensors(buffer[start:end], params)
             calls.append((params, group_grads, avgs, sqs, counters, fused_kernel_settings(group)))
-        for params, group_grads, avgs, sqs, counters, settings in calls:
-            kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
-            torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
-            kernel(params, group_grads, avgs, sqs, [], counters, **settings)
+        # The profiler's range and hook point of torch's own step, so that traces read alike.
+        with torch.autograd.profiler.record_function(
+            f"Optimizer.step#{type(optimizer).__name__}.step"
+        ):
+            for params, group_grads, avgs, sqs, counters, settings in calls:
+                kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
+                torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
+                kernel(params, group_grads, avgs, sqs, [], counters, **settings)
+            optimizer._optimizer_step_code()  # pylint: disable=protected-access
         return True
 
     def _check(self, groups, buffer: torch.Tensor, base: int) -> bool:
@@ -544,6 +576,10 @@ class FusedListStep:
         """Nothing created ahead: torch's own first step creates the state (``only`` unused)."""
         del only
         return False
+
+
+def _dtype(tensor: torch.Tensor) -> torch.dtype:
+    return tensor.dtype
 
 
 def in_place_step(optimizer: torch.optim.Optimizer):
