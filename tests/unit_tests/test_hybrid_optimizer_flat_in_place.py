@@ -689,3 +689,19 @@ def test_a_counter_seen_as_another_dtype_in_place_is_torch_s_to_refuse():
     with pytest.raises(RuntimeError):
         hdo.step()
     assert all(float(c.view(torch.float32)) == 2.0 for c in counters)
+
+
+def test_a_clone_moved_to_the_next_in_place_group_takes_that_group_s_gradients_and_settings():
+    """The last clone of one in-place group moved to the front of the next (the tensors keep
+    their order): each group's kernel call gets its own gradients, as torch's step would."""
+    (hdo, params), (reference, ref_params) = fused_and_reference(torch.optim.AdamW)
+    generator = torch.Generator().manual_seed(10)
+    for _ in range(2):
+        step_both(generator, hdo, reference, params, ref_params)
+    for optimizer in (hdo, reference):
+        first, second = optimizer.gpu_optimizer.param_groups
+        assert len(first["params"]) > 1 and first["weight_decay"] != second["weight_decay"]
+        second["params"].insert(0, first["params"].pop())
+    for _ in range(2):
+        step_both(generator, hdo, reference, params, ref_params)
+        assert_same_state(hdo, reference, params, ref_params)

@@ -457,9 +457,10 @@ class FusedListStep:
     call is made here over the same lists (each parameter's own counter and moments, in the
     group's order), with the gradients cut from the HDO's widened buffer instead of set on each
     parameter: the same kernel over the same tensors, so the same bits. The first step (which
-    creates the state), amsgrad, hooks, a scaler, capturable or foreach modes, a tensor
-    learning rate and state on another device or of another dtype leave the step to the
-    optimizer. Nothing is laid out: the state stays where torch's step put it.
+    creates the state), amsgrad, hooks, a step set on the instance or patched on the class, a
+    scaler, capturable or foreach modes, a tensor learning rate, a stream being captured and
+    state on another device or of another dtype leave the step to the optimizer. Nothing is
+    laid out: the state stays where torch's step put it.
 
     Args:
         optimizer: the HDO's in-place optimizer.
@@ -510,7 +511,7 @@ class FusedListStep:
             state = [list(map(dict.get, entries, repeat(key))) for key in ("step",) + _MOMENTS]
             groups.append((group["params"], *state))
         tensors = [t for tensors in groups for values in tensors for t in values]
-        try:
+        try:  # group by group, so a parameter moved to another group changes the order too
             seen = tensor_marks(tensors)
         except TypeError:  # state missing (a first step) or no tensor
             return False
