@@ -705,3 +705,52 @@ def test_a_clone_moved_to_the_next_in_place_group_takes_that_group_s_gradients_a
     for _ in range(2):
         step_both(generator, hdo, reference, params, ref_params)
         assert_same_state(hdo, reference, params, ref_params)
+
+
+def test_a_step_with_an_in_place_gradient_missing_is_torch_s_and_the_next_is_the_kernel_s(
+    monkeypatch,
+):
+    """A step where an in-place clone has no gradient is torch's own (which skips that clone);
+    the next step with every gradient is the kernel's again, to the same bits."""
+    walks = count_torch_walks(monkeypatch)
+    (hdo, params), (reference, ref_params) = fused_and_reference(torch.optim.AdamW)
+    generator = torch.Generator().manual_seed(11)
+    missing = in_place_indices(hdo, params)[1]
+    for step in range(4):
+        give_grads(generator, params, ref_params)
+        if step == 2:
+            params[missing].grad = ref_params[missing].grad = None
+        walks.clear()
+        hdo.step()
+        reference.step()
+        assert (hdo.gpu_optimizer in walks) == (step in (0, 2)), step
+        assert_same_state(hdo, reference, params, ref_params)
+
+
+def test_a_loaded_checkpoint_is_stepped_by_the_kernel_from_its_first_step(monkeypatch):
+    """State loaded into a fresh optimizer is torch's fused state (counters on the clones'
+    device, fp32 moments), so the first step after the load is the kernel's, and it goes on as
+    the run that was not interrupted."""
+    walks = count_torch_walks(monkeypatch)
+    (hdo, params), (reference, ref_params) = fused_and_reference(torch.optim.AdamW)
+    generator = torch.Generator().manual_seed(12)
+    for _ in range(2):
+        step_both(generator, hdo, reference, params, ref_params)
+    buffer = io.BytesIO()
+    torch.save(hdo.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_params = make_params(seed=3)
+    with torch.no_grad():
+        for resumed, param in zip(resumed_params, params):
+            resumed.copy_(param)
+    resumed = make_hdo(HybridDeviceOptimizer, resumed_params, torch.optim.AdamW, fused=True)
+    resumed.load_state_dict(torch.load(buffer))
+    for _ in range(2):
+        state = generator.get_state()
+        give_grads(generator, resumed_params)
+        generator.set_state(state)
+        walks.clear()
+        step_both(generator, hdo, reference, params, ref_params)
+        resumed.step()
+        assert resumed.gpu_optimizer not in walks
+        assert_same_state(resumed, reference, resumed_params, ref_params)
