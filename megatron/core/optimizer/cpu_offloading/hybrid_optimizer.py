@@ -809,7 +809,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if flat is not None:
                 flat.lay_out()  # so that the next step can take runs
 
-    def _step_clones_over_runs(self) -> bool:
+    def _step_clones_from_buffer(self) -> bool:
         """The in-place step where the in-place sub-optimizer steps the fp32 clones alone and
         is TE's FusedAdam (over runs of them) or torch's fused Adam or AdamW (its kernel over
         their lists): their gradients are widened into one buffer laid out like the clones'
@@ -911,7 +911,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _step_in_place_whole(self):
         """All the in-place side of a step: the clones' widened gradients, the in-place
         sub-optimizer's step, and the clones copied back into their parameters."""
-        from_buffer = self._step_clones_over_runs()
+        from_buffer = self._step_clones_from_buffer()
         if not from_buffer:
             self._widen_clone_grads()
             self._step_in_place()

@@ -29,6 +29,7 @@ client took of a moment before it was laid out still shows the old memory.
 """
 
 import inspect
+import operator
 from itertools import repeat
 from typing import Callable, List, Optional, Sequence, Set, Tuple
 
@@ -434,6 +435,8 @@ def _look(groups) -> Optional[tuple]:
 # torch's own Adam classes, whose fused step is one kernel call over each group's lists.
 FUSED_TORCH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
+_DTYPE = operator.attrgetter("dtype")
+
 # The body of their step, under the wrappers torch puts around it.
 _TORCH_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
 
@@ -475,18 +478,19 @@ class FusedListStep:
         """Whether the optimizer is torch's fused Adam or AdamW in the mode whose step is one
         kernel call per group with a float learning rate, its step torch's own (none set on the
         instance or patched on the class), and nothing watches that step."""
+        return self._settings() is not None
+
+    def _settings(self) -> Optional[List[dict]]:
+        """Each group's kernel arguments where :meth:`applies`, else None."""
         optimizer = self.optimizer
         if type(optimizer) not in FUSED_TORCH_CLASSES or "step" in vars(optimizer):
-            return False
-        if not _torch_own_step(type(optimizer)):
-            return False
-        if _hooked(optimizer) or _scaled(optimizer):
-            return False
-        for group in optimizer.param_groups:
-            settings = fused_kernel_settings(group)
-            if settings is None or isinstance(settings["lr"], torch.Tensor):
-                return False
-        return True
+            return None
+        if not _torch_own_step(type(optimizer)) or _hooked(optimizer) or _scaled(optimizer):
+            return None
+        settings = list(map(fused_kernel_settings, optimizer.param_groups))
+        if any(s is None or isinstance(s["lr"], torch.Tensor) for s in settings):
+            return None
+        return settings
 
     @torch.no_grad()
     def step(self, grads: Optional[Tuple[torch.Tensor, int]] = None) -> bool:
@@ -498,7 +502,8 @@ class FusedListStep:
                 parameters' memory is from address ``base``: ``(buffer, base)``. Without it
                 nothing is done (each parameter's ``grad`` is torch's own step to read).
         """
-        if grads is None or not self.applies():
+        settings = None if grads is None else self._settings()
+        if settings is None:
             return False
         buffer, base = grads
         if buffer.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -519,23 +524,24 @@ class FusedListStep:
             return False
         # A dtype can change under the same object and address (a ``.data`` view): read every
         # step, since the kernel would take such a counter or moment as fp32.
-        if set(map(_dtype, tensors)) != {torch.float32}:
+        if set(map(_DTYPE, tensors)) != {torch.float32}:
             self._seen = None
             return False
-        calls = []
-        for (params, counters, avgs, sqs), group, (start, end) in zip(
-            groups, self.optimizer.param_groups, self._spans
-        ):
-            group_grads = _unflatten_dense_tensors(buffer[start:end], params)
-            calls.append((params, group_grads, avgs, sqs, counters, fused_kernel_settings(group)))
+        # Every gradient is cut before any counter moves, as torch gathers them before its calls.
+        group_grads = [
+            _unflatten_dense_tensors(buffer[start:end], params)
+            for (params, *_), (start, end) in zip(groups, self._spans)
+        ]
         # The profiler's range and hook point of torch's own step, so that traces read alike.
         with torch.autograd.profiler.record_function(
             f"Optimizer.step#{type(optimizer).__name__}.step"
         ):
-            for params, group_grads, avgs, sqs, counters, settings in calls:
-                kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
+            for (params, counters, avgs, sqs), grads_of, kwargs in zip(
+                groups, group_grads, settings
+            ):
+                kernel = torch._fused_adamw_ if kwargs.pop("decoupled") else torch._fused_adam_
                 torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
-                kernel(params, group_grads, avgs, sqs, [], counters, **settings)
+                kernel(params, grads_of, avgs, sqs, [], counters, **kwargs)
             optimizer._optimizer_step_code()  # pylint: disable=protected-access
         return True
 
@@ -577,10 +583,6 @@ class FusedListStep:
         """Nothing created ahead: torch's own first step creates the state (``only`` unused)."""
         del only
         return False
-
-
-def _dtype(tensor: torch.Tensor) -> torch.dtype:
-    return tensor.dtype
 
 
 def in_place_step(optimizer: torch.optim.Optimizer):
