@@ -52,8 +52,8 @@ class PerTensorHDO(HybridDeviceOptimizer):
     flat_in_place_steps = False
 
 
-def make_params(seed=0, fp32=()):
-    """bf16 parameters of ``NUMELS`` sizes, but fp32 at the indices ``fp32`` (stepped in place
+def make_params(seed=0, fp32=(), numels=NUMELS):
+    """bf16 parameters of ``numels`` sizes, but fp32 at the indices ``fp32`` (stepped in place
     as they are, between clones)."""
     generator = torch.Generator().manual_seed(seed)
     return [
@@ -62,7 +62,7 @@ def make_params(seed=0, fp32=()):
                 DEVICE, torch.float32 if index in fp32 else torch.bfloat16
             )
         )
-        for index, n in enumerate(NUMELS)
+        for index, n in enumerate(numels)
     ]
 
 
@@ -530,11 +530,11 @@ def larger_then_smaller(hdo):
 # ------------------------------------------------------------ torch's fused Adam and AdamW
 
 
-def fused_and_reference(gpu_cls, **options):
+def fused_and_reference(gpu_cls, numels=NUMELS, **options):
     """An HDO with torch's fused ``gpu_cls`` in place (fused on both sides, as Megatron's
     factory sets it) and its reference, which leaves that step to torch: ``(hdo, params),
     (reference, ref_params)``."""
-    params, ref_params = make_params(), make_params()
+    params, ref_params = make_params(numels=numels), make_params(numels=numels)
     options = dict(fused=True, **options)
     return (
         (make_hdo(HybridDeviceOptimizer, params, gpu_cls, **options), params),
@@ -754,3 +754,110 @@ def test_a_loaded_checkpoint_is_stepped_by_the_kernel_from_its_first_step(monkey
         resumed.step()
         assert resumed.gpu_optimizer not in walks
         assert_same_state(resumed, reference, resumed_params, ref_params)
+
+
+# Sizes that fill whole 64-byte lines, so that adjacent clones make one run: with a twentieth of
+# the elements offloaded, clones 1-5 are the first group's in place, 6-7 the second's.
+LINE_NUMELS = [1024, 2048, 512, 4096, 1024, 16, 3072, 1024]
+
+
+def spy_in_place_kernel(monkeypatch, hdo):
+    """A list that gets, for each call of torch's fused AdamW kernel on the HDO's in-place
+    clones, the element count of each tensor it was handed."""
+    calls = []
+    original = torch._fused_adamw_  # pylint: disable=protected-access
+    block = hdo._clone_block  # pylint: disable=protected-access
+
+    def spy(params, *args, **kwargs):
+        if params and params[0].untyped_storage().data_ptr() == block.untyped_storage().data_ptr():
+            calls.append([param.numel() for param in params])
+        return original(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    return calls
+
+
+def test_torch_fused_adamw_in_place_takes_runs_of_clones_with_their_moments_laid_out(monkeypatch):
+    """After torch's first step, the moments it made are moved into one block per run of
+    clones (the entries keep their tensors), and the kernel takes each run as one tensor, to
+    the bits of torch stepping every clone alone."""
+    (hdo, params), (reference, ref_params) = fused_and_reference(
+        torch.optim.AdamW, numels=LINE_NUMELS, fraction=0.05
+    )
+    calls = spy_in_place_kernel(monkeypatch, hdo)
+    generator = torch.Generator().manual_seed(13)
+    step_both(generator, hdo, reference, params, ref_params)
+    in_place = in_place_indices(hdo, params)
+    assert in_place == list(range(1, 8))
+    held = {i: [hdo.state[params[i]][key] for key in MOMENT_KEYS] for i in in_place}
+    for _ in range(3):
+        calls.clear()
+        step_both(generator, hdo, reference, params, ref_params)
+        assert calls == [[sum(LINE_NUMELS[1:6])], [sum(LINE_NUMELS[6:])]]
+        assert_same_state(hdo, reference, params, ref_params)
+    assert_moments_laid_out(hdo.gpu_optimizer)
+    for index, values in held.items():
+        assert [hdo.state[params[index]][key] for key in MOMENT_KEYS] == values
+
+
+def test_a_run_ends_after_a_clone_that_does_not_fill_whole_lines(monkeypatch):
+    """A clone whose size is not a whole number of 64-byte lines ends its run: the host
+    kernel's scalar loop over a tensor's last partial vector may round otherwise than its
+    vector loop, so that vector stays last, as in torch's own step."""
+    numels = [1024, 2048, 517, 4096, 1024, 16, 3072, 1024]
+    (hdo, params), (reference, ref_params) = fused_and_reference(
+        torch.optim.AdamW, numels=numels, fraction=0.05
+    )
+    calls = spy_in_place_kernel(monkeypatch, hdo)
+    generator = torch.Generator().manual_seed(14)
+    for step in range(3):
+        calls.clear()
+        step_both(generator, hdo, reference, params, ref_params)
+        if step:
+            assert calls == [[2048 + 517, 4096 + 1024 + 16], [3072 + 1024]]
+        assert_same_state(hdo, reference, params, ref_params)
+
+
+def test_a_clone_that_missed_a_step_keeps_its_own_count_inside_a_run(monkeypatch):
+    """A clone in the middle of a run whose gradient was missing for one step (torch's own
+    step, which skips it) is one step behind its neighbours from then on: its run is cut
+    around it, so each clone is stepped with its own count, as torch would."""
+    walks = count_torch_walks(monkeypatch)
+    (hdo, params), (reference, ref_params) = fused_and_reference(
+        torch.optim.AdamW, numels=LINE_NUMELS, fraction=0.05
+    )
+    calls = spy_in_place_kernel(monkeypatch, hdo)
+    generator = torch.Generator().manual_seed(15)
+    for step in range(5):
+        give_grads(generator, params, ref_params)
+        if step == 2:
+            params[3].grad = ref_params[3].grad = None
+        walks.clear()
+        calls.clear()
+        hdo.step()
+        reference.step()
+        assert (hdo.gpu_optimizer in walks) == (step in (0, 2)), step
+        if step > 2:
+            assert calls == [[2048 + 512, 4096, 1024 + 16], [3072 + 1024]], calls
+        assert_same_state(hdo, reference, params, ref_params)
+    assert float(hdo.state[params[3]]["step"]) == float(hdo.state[params[2]]["step"]) - 1
+
+
+def test_a_counter_a_client_wrote_in_place_is_the_one_its_clone_is_stepped_with(monkeypatch):
+    """A counter a client sets in place (the same tensor, another value) is read before the
+    next kernel step, and its clone is stepped with it alone."""
+    walks = count_torch_walks(monkeypatch)
+    (hdo, params), (reference, ref_params) = fused_and_reference(
+        torch.optim.AdamW, numels=LINE_NUMELS, fraction=0.05
+    )
+    generator = torch.Generator().manual_seed(16)
+    for _ in range(2):
+        step_both(generator, hdo, reference, params, ref_params)
+    for optimizer, tensors in ((hdo, params), (reference, ref_params)):
+        optimizer.state[tensors[4]]["step"].fill_(40.0)
+    for _ in range(2):
+        walks.clear()
+        step_both(generator, hdo, reference, params, ref_params)
+        assert hdo.gpu_optimizer not in walks
+        assert_same_state(hdo, reference, params, ref_params)
+    assert float(hdo.state[params[4]]["step"]) == 42.0

@@ -54,10 +54,12 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place impor
     _MOMENTS,
     PLAIN_TENSORS,
     FlatInPlaceStep,
+)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_fused_list import (
     FusedListStep,
     in_place_step,
 )
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
     PartedCopy,

@@ -2,7 +2,8 @@
 """The in-place step without the in-place optimizer's walk over its parameters.
 
 Transformer Engine's FusedAdam takes runs of adjacent tensors (below); torch's own fused Adam
-and AdamW get their kernel calls made over the same lists (:class:`FusedListStep`).
+and AdamW take them through their kernel (``hybrid_optimizer_fused_list``), with the moments
+laid out the same way (:func:`lay_out_moments`).
 
 TE's FusedAdam checks and gathers each parameter in Python (its state, its gradient, its
 dtype, DTensor parity) before one multi-tensor kernel; with thousands of shards stepped in
@@ -28,8 +29,6 @@ alone takes its whole block along (a whole state dict takes each block once), an
 client took of a moment before it was laid out still shows the old memory.
 """
 
-import inspect
-import operator
 from itertools import repeat
 from typing import Callable, List, Optional, Sequence, Set, Tuple
 
@@ -38,8 +37,6 @@ from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
     _hooked,
-    _scaled,
-    fused_kernel_settings,
     share_memory,
     tensor_marks,
 )
@@ -348,53 +345,70 @@ class FlatInPlaceStep:
 
     @torch.no_grad()
     def lay_out(self) -> bool:
-        """Put moments that do not lie like their run of parameters into one block per run on
-        the parameters' device. Moments already there (TE's own step, a load, a client's ``.to``
-        back) are moved and re-pointed with ``.data``; moments elsewhere (parked on the host by
-        a client, to be taken home) are copied into the block, whose views replace them in the
-        entries. A run of one is left as it is (taking it home is the entry's own business), and
-        so is everything where two moments share memory (TE steps them as shared; blocks would
-        part them).
+        """Lay the moments out one block per run (:func:`lay_out_moments`), unless they are as
+        a flat step or the last lay-out left them.
 
         Returns:
             Whether any moment was moved.
         """
         if not steps_flat(self.optimizer):
             return False
-        state = self.optimizer.state
         groups = self._groups(with_grads=False)
         seen = _look(groups)
         if seen is None or seen in (self._seen, self._checked):
             return False  # as a flat step or the last lay-out left it
-        moved = False
-        if share_memory(v for _, _, moments in groups for values in moments for v in values):
-            groups = []
-        for params, _, moments in groups:
-            layout = _Layout(params)
-            for key, values in zip(_MOMENTS, moments):
-                if layout.holds(values) or not all(map(_fits, values, params)):
-                    continue
-                self._seen = None
-                for first, count, numel in layout.runs:
-                    if count == 1:
-                        continue
-                    moved = True
-                    span = values[first : first + count]
-                    block = torch.empty(numel, dtype=torch.float32, device=params[first].device)
-                    views = _unflatten_dense_tensors(block, span)
-                    home = [value.device == block.device for value in span]
-                    if all(home):
-                        torch._foreach_copy_(views, span)  # pylint: disable=protected-access
-                    else:
-                        for view, value in zip(views, span):
-                            view.copy_(value, non_blocking=True)  # from pinned: in stream order
-                    for param, value, view, at_home in zip(params[first:], span, views, home):
-                        if at_home:
-                            value.data = view
-                        else:
-                            state[param][key] = view
+        moved = lay_out_moments(self.optimizer.state, [(p, m) for p, _, m in groups])
+        if moved:
+            self._seen = None
         self._checked = _look(self._groups(with_grads=False))
         return moved
+
+
+@torch.no_grad()
+def lay_out_moments(state, groups) -> bool:
+    """Put moments that do not lie like their run of parameters into one block per run on
+    the parameters' device. Moments already there (the optimizer's own step, a load, a client's
+    ``.to`` back) are moved and re-pointed with ``.data``; moments elsewhere (parked on the host
+    by a client, to be taken home) are copied into the block, whose views replace them in the
+    entries. A run of one is left as it is (taking it home is the entry's own business), and so
+    is everything where two moments share memory (the optimizer steps them as shared; blocks
+    would part them).
+
+    Args:
+        state: the optimizer's state, whose entries take the views of moments copied in.
+        groups: per group, its parameters and each moment's values, in ``_MOMENTS`` order
+            (None where a parameter has none, which leaves that moment as it is).
+
+    Returns:
+        Whether any moment was moved.
+    """
+    if share_memory(v for _, moments in groups for values in moments for v in values):
+        return False
+    moved = False
+    for params, moments in groups:
+        layout = _Layout(params)
+        for key, values in zip(_MOMENTS, moments):
+            if layout.holds(values) or not all(map(_fits, values, params)):
+                continue
+            for first, count, numel in layout.runs:
+                if count == 1:
+                    continue
+                moved = True
+                span = values[first : first + count]
+                block = torch.empty(numel, dtype=torch.float32, device=params[first].device)
+                views = _unflatten_dense_tensors(block, span)
+                home = [value.device == block.device for value in span]
+                if all(home):
+                    torch._foreach_copy_(views, span)  # pylint: disable=protected-access
+                else:
+                    for view, value in zip(views, span):
+                        view.copy_(value, non_blocking=True)  # from pinned: in stream order
+                for param, value, view, at_home in zip(params[first:], span, views, home):
+                    if at_home:
+                        value.data = view
+                    else:
+                        state[param][key] = view
+    return moved
 
 
 def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor]:
@@ -430,165 +444,3 @@ def _look(groups) -> Optional[tuple]:
     if not all(type(tensor) in PLAIN_TENSORS for tensor in tensors):
         return None
     return (tuple(sizes), *tensor_marks(tensors))
-
-
-# torch's own Adam classes, whose fused step is one kernel call over each group's lists.
-FUSED_TORCH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
-
-_DTYPE = operator.attrgetter("dtype")
-
-# The body of their step, under the wrappers torch puts around it.
-_TORCH_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
-
-
-def _torch_own_step(cls: type) -> bool:
-    """Whether ``cls.step`` is torch's own: its hook-running wrapper (made when the first
-    instance is) over the grad-mode wrapper over Adam's step, nothing patched in between."""
-    step = cls.step
-    if getattr(step, "hooked", False):
-        step = getattr(step, "__wrapped__", None)
-    return getattr(step, "__wrapped__", None) is _TORCH_ADAM_STEP
-
-
-class FusedListStep:
-    """Steps torch's fused Adam or AdamW in place by its kernel over each group's lists.
-
-    Torch's step walks every parameter in Python (its gradient, its state, grouping by device
-    and dtype) before one kernel call per group; with thousands of shards stepped in place
-    that walk holds the calling thread for milliseconds to tens of them, which the host
-    buckets then wait for. Once every parameter has the state torch's fused step keeps, that
-    call is made here over the same lists (each parameter's own counter and moments, in the
-    group's order), with the gradients cut from the HDO's widened buffer instead of set on each
-    parameter: the same kernel over the same tensors, so the same bits. The first step (which
-    creates the state), amsgrad, hooks, a step set on the instance or patched on the class, a
-    scaler, capturable or foreach modes, a tensor learning rate, a stream being captured and
-    state on another device or of another dtype leave the step to the optimizer. Nothing is
-    laid out: the state stays where torch's step put it.
-
-    Args:
-        optimizer: the HDO's in-place optimizer.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self._seen: Optional[tuple] = None  # the tensors and addresses the last step checked
-        self._spans: List[Tuple[int, int]] = []  # each group's elements in the gradient buffer
-
-    def applies(self) -> bool:
-        """Whether the optimizer is torch's fused Adam or AdamW in the mode whose step is one
-        kernel call per group with a float learning rate, its step torch's own (none set on the
-        instance or patched on the class), and nothing watches that step."""
-        return self._settings() is not None
-
-    def _settings(self) -> Optional[List[dict]]:
-        """Each group's kernel arguments where :meth:`applies`, else None."""
-        optimizer = self.optimizer
-        if type(optimizer) not in FUSED_TORCH_CLASSES or "step" in vars(optimizer):
-            return None
-        if not _torch_own_step(type(optimizer)) or _hooked(optimizer) or _scaled(optimizer):
-            return None
-        settings = list(map(fused_kernel_settings, optimizer.param_groups))
-        if any(s is None or isinstance(s["lr"], torch.Tensor) for s in settings):
-            return None
-        return settings
-
-    @torch.no_grad()
-    def step(self, grads: Optional[Tuple[torch.Tensor, int]] = None) -> bool:
-        """Make the optimizer's kernel calls, if its mode and state allow; False (nothing done)
-        if not, and the optimizer must step itself.
-
-        Args:
-            grads: the gradients of all parameters in one fp32 buffer laid out as the
-                parameters' memory is from address ``base``: ``(buffer, base)``. Without it
-                nothing is done (each parameter's ``grad`` is torch's own step to read).
-        """
-        settings = None if grads is None else self._settings()
-        if settings is None:
-            return False
-        buffer, base = grads
-        if buffer.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False  # torch's step refuses to be captured in this mode: let it say so
-        optimizer = self.optimizer
-        entries_of = state_entries(optimizer.state)
-        groups = []
-        for group in optimizer.param_groups:
-            entries = entries_of(group["params"])
-            state = [list(map(dict.get, entries, repeat(key))) for key in ("step",) + _MOMENTS]
-            groups.append((group["params"], *state))
-        tensors = [t for tensors in groups for values in tensors for t in values]
-        try:  # group by group, so a parameter moved to another group changes the order too
-            seen = tensor_marks(tensors)
-        except TypeError:  # state missing (a first step) or no tensor
-            return False
-        if seen != self._seen and not self._check(groups, buffer, base):
-            return False
-        # A dtype can change under the same object and address (a ``.data`` view): read every
-        # step, since the kernel would take such a counter or moment as fp32.
-        if set(map(_DTYPE, tensors)) != {torch.float32}:
-            self._seen = None
-            return False
-        # Every gradient is cut before any counter moves, as torch gathers them before its calls.
-        group_grads = [
-            _unflatten_dense_tensors(buffer[start:end], params)
-            for (params, *_), (start, end) in zip(groups, self._spans)
-        ]
-        # The profiler's range and hook point of torch's own step, so that traces read alike.
-        with torch.autograd.profiler.record_function(
-            f"Optimizer.step#{type(optimizer).__name__}.step"
-        ):
-            for (params, counters, avgs, sqs), grads_of, kwargs in zip(
-                groups, group_grads, settings
-            ):
-                kernel = torch._fused_adamw_ if kwargs.pop("decoupled") else torch._fused_adam_
-                torch._foreach_add_(counters, 1)  # pylint: disable=protected-access
-                kernel(params, grads_of, avgs, sqs, [], counters, **kwargs)
-            optimizer._optimizer_step_code()  # pylint: disable=protected-access
-        return True
-
-    def _check(self, groups, buffer: torch.Tensor, base: int) -> bool:
-        """Whether torch's step would make exactly these calls: every tensor a plain fp32 one
-        on the buffer's device, parameters dense and back to back from ``base`` as the buffer
-        is laid out, moments of their parameters' shapes, counters scalars; remembers where
-        each group's gradients start, and the tensors as checked, if so."""
-        self._seen = None
-        device, spans, at = buffer.device, [], base
-        for params, counters, avgs, sqs in groups:
-            start = (at - base) // 4
-            for param in params:
-                if param.data_ptr() != at or not param.is_contiguous():
-                    return False
-                at += param.nbytes
-            spans.append((start, (at - base) // 4))
-            tensors = params + counters + avgs + sqs
-            if not all(type(t) in PLAIN_TENSORS for t in tensors):
-                return False
-            if {(t.device, t.dtype) for t in tensors} != {(device, torch.float32)}:
-                return False
-            if any(counter.dim() for counter in counters):
-                return False
-            shapes = [param.shape for param in params]
-            if [avg.shape for avg in avgs] != shapes or [sq.shape for sq in sqs] != shapes:
-                return False
-        if buffer.dtype != torch.float32 or (at - base) // 4 > buffer.numel():
-            return False
-        self._spans = spans
-        self._seen = tensor_marks([t for tensors in groups for values in tensors for t in values])
-        return True
-
-    def lay_out(self) -> bool:
-        """Nothing to lay out: the kernel takes each parameter's state where it is."""
-        return False
-
-    def create_state(self, only: Optional[Set[int]] = None) -> bool:
-        """Nothing created ahead: torch's own first step creates the state (``only`` unused)."""
-        del only
-        return False
-
-
-def in_place_step(optimizer: torch.optim.Optimizer):
-    """The step that spares ``optimizer`` its walk over the parameters: over runs for TE's
-    FusedAdam (:class:`FlatInPlaceStep`), over its lists for torch's own fused Adam and AdamW
-    (:class:`FusedListStep`)."""
-    if type(optimizer) in FUSED_TORCH_CLASSES:
-        return FusedListStep(optimizer)
-    return FlatInPlaceStep(optimizer)

@@ -1,0 +1,322 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""torch's own fused Adam and AdamW in place, without their walk over the parameters.
+
+Where TE is not installed, Megatron's factory hands the HDO torch's fused AdamW for the fp32
+clones stepped in place. Its step gathers every parameter's gradient and state in Python before
+one kernel call per group, which with thousands of shards holds the calling thread for tens of
+milliseconds while the host buckets wait. Once torch's first step has made the state, the HDO
+makes the calls that step would make (:class:`FusedListStep`).
+
+The kernel is elementwise, reading each tensor's own counter, so a run of clones that lie back
+to back, with their moments laid out alike and counters of one value, can be handed to it as
+one tensor with the first one's counter. The moments torch created are moved into one block per
+run once (re-pointed with ``.data``, so the entries keep their tensors), as for TE's FusedAdam
+(:func:`~hybrid_optimizer_flat_in_place.lay_out_moments`). The counters stay torch's, one per
+parameter, every one of them stepped; their values are read when anything may have written one
+(a version counter moved, a tensor or its memory changed), and runs are split where they
+differ, so a clone that missed a step keeps its own count. Writes that leave no version behind
+(through ``.data``, or a collective into a counter) are not seen.
+"""
+
+import inspect
+import operator
+from itertools import repeat
+from typing import List, Optional, Set, Tuple
+
+import torch
+from torch._utils import _unflatten_dense_tensors
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
+    _MOMENTS,
+    PLAIN_TENSORS,
+    FlatInPlaceStep,
+    _Layout,
+    lay_out_moments,
+    state_entries,
+)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
+    _hooked,
+    _scaled,
+    fused_kernel_settings,
+    tensor_marks,
+)
+
+# torch's own Adam classes, whose fused step is one kernel call over each group's lists.
+FUSED_TORCH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+
+_DTYPE = operator.attrgetter("dtype")
+_VERSION = operator.attrgetter("_version")
+
+# The body of their step, under the wrappers torch puts around it.
+_TORCH_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
+
+# fp32 elements of one 64-byte line, the widest vector the host kernel uses.
+_LINE_NUMEL = 16
+
+# A run as the kernel takes it: (index of its first parameter, how many, elements, where its
+# gradients start in the buffer).
+KernelRun = Tuple[int, int, int, int]
+
+
+def _torch_own_step(cls: type) -> bool:
+    """Whether ``cls.step`` is torch's own: its hook-running wrapper (made when the first
+    instance is) over the grad-mode wrapper over Adam's step, nothing patched in between."""
+    step = cls.step
+    if getattr(step, "hooked", False):
+        step = getattr(step, "__wrapped__", None)
+    return getattr(step, "__wrapped__", None) is _TORCH_ADAM_STEP
+
+
+def _cut(runs: List[KernelRun], numels: List[int], ends: List[bool]) -> List[KernelRun]:
+    """``runs`` cut after every tensor ``i`` where ``ends[i]``."""
+    pieces = []
+    for first, count, _, offset in runs:
+        start = first
+        for index in range(first, first + count):
+            if ends[index] or index == first + count - 1:
+                numel = sum(numels[start : index + 1])
+                pieces.append((start, index + 1 - start, numel, offset))
+                offset += numel
+                start = index + 1
+    return pieces
+
+
+def _run_view(values: List[torch.Tensor], run: KernelRun) -> torch.Tensor:
+    """The run's first value itself, or one flat view from it over the run."""
+    first, count, numel, _ = run
+    return values[first] if count == 1 else values[first].as_strided((numel,), (1,))
+
+
+class _GroupPlan:
+    """Where one group's tensors lie: its gradients' span in the buffer, and its runs where the
+    moments lie like the clones (None where they do not: the kernel then takes each tensor)."""
+
+    def __init__(self, params: List[torch.Tensor], moments, start: int, base: int):
+        self.span = (start, start + sum(map(torch.Tensor.numel, params)))
+        layout = _Layout(params)
+        self.numels = layout.numels
+        self.layout_runs: Optional[List[KernelRun]] = None
+        if layout.dense and all(map(layout.holds, moments)):
+            runs = [
+                (first, count, numel, (params[first].data_ptr() - base) // 4)
+                for first, count, numel in layout.runs
+            ]
+            # A tensor's last partial vector may be rounded otherwise than the vectors before
+            # it (the host kernel's scalar loop), so a run ends after a tensor that does not
+            # fill whole 64-byte lines, where that vector stays last.
+            self.layout_runs = _cut(runs, self.numels, [n % _LINE_NUMEL != 0 for n in self.numels])
+        self.runs = self.layout_runs  # cut further where the counters differ
+
+    def kernel_lists(self, buffer: torch.Tensor, params, counters, avgs, sqs):
+        """The kernel's tensor lists for this group: per run, or per tensor."""
+        if self.runs is None:
+            grads = _unflatten_dense_tensors(buffer[slice(*self.span)], params)
+            return params, grads, avgs, sqs, counters
+        grads = []
+        for run in self.runs:
+            first, count, numel, offset = run
+            grad = buffer[offset : offset + numel]
+            grads.append(grad if count > 1 else grad.view_as(params[first]))
+        return (
+            [_run_view(params, run) for run in self.runs],
+            grads,
+            [_run_view(avgs, run) for run in self.runs],
+            [_run_view(sqs, run) for run in self.runs],
+            [counters[run[0]] for run in self.runs],
+        )
+
+
+class FusedListStep:
+    """Steps torch's fused Adam or AdamW in place by its kernel, over runs of adjacent clones.
+
+    Once every parameter has the state torch's fused step keeps, the HDO makes the calls that
+    step would make: each counter stepped, then one kernel call per group over its runs (each
+    parameter's own tensors where its moments do not lie like the clones), with the gradients
+    cut from the HDO's widened buffer instead of set on each parameter: the same kernel over
+    the same elements, so the same bits. The first step (which creates the state), amsgrad,
+    hooks, a step set on the instance or patched on the class, a scaler, capturable or foreach
+    modes, a tensor learning rate, a stream being captured and state on another device or of
+    another dtype leave the step to the optimizer, after which the moments are laid out.
+
+    Args:
+        optimizer: the HDO's in-place optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self._seen: Optional[tuple] = None  # the tensors and addresses the last step checked
+        self._checked: Optional[tuple] = None  # and those the last lay-out left
+        self._plans: List[_GroupPlan] = []
+        self._agreed: Optional[tuple] = None  # counters' versions when runs were last cut
+
+    def applies(self) -> bool:
+        """Whether the optimizer is torch's fused Adam or AdamW in the mode whose step is one
+        kernel call per group with a float learning rate, its step torch's own (none set on the
+        instance or patched on the class), and nothing watches that step."""
+        return self._settings() is not None
+
+    def _settings(self) -> Optional[List[dict]]:
+        """Each group's kernel arguments where :meth:`applies`, else None."""
+        optimizer = self.optimizer
+        if type(optimizer) not in FUSED_TORCH_CLASSES or "step" in vars(optimizer):
+            return None
+        if not _torch_own_step(type(optimizer)) or _hooked(optimizer) or _scaled(optimizer):
+            return None
+        settings = list(map(fused_kernel_settings, optimizer.param_groups))
+        if any(s is None or isinstance(s["lr"], torch.Tensor) for s in settings):
+            return None
+        return settings
+
+    def _groups(self):
+        """Per group: its parameters, and their counters and moments (None where missing)."""
+        entries_of = state_entries(self.optimizer.state)
+        groups = []
+        for group in self.optimizer.param_groups:
+            entries = entries_of(group["params"])
+            state = [list(map(dict.get, entries, repeat(key))) for key in ("step",) + _MOMENTS]
+            groups.append((group["params"], *state))
+        return groups
+
+    @torch.no_grad()
+    def step(self, grads: Optional[Tuple[torch.Tensor, int]] = None) -> bool:
+        """Make the optimizer's kernel calls, if its mode and state allow; False (nothing done)
+        if not, and the optimizer must step itself.
+
+        Args:
+            grads: the gradients of all parameters in one fp32 buffer laid out as the
+                parameters' memory is from address ``base``: ``(buffer, base)``. Without it
+                nothing is done (each parameter's ``grad`` is torch's own step to read).
+        """
+        settings = None if grads is None else self._settings()
+        if settings is None:
+            return False
+        buffer, base = grads
+        if buffer.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False  # torch's step refuses to be captured in this mode: let it say so
+        groups = self._groups()
+        tensors = _flat(groups)
+        try:  # group by group, so a parameter moved to another group changes the order too
+            seen = tensor_marks(tensors)
+        except TypeError:  # state missing (a first step) or no tensor
+            return False
+        if seen != self._seen:
+            if self.lay_out():  # moments torch or a load made one by one
+                groups = self._groups()
+                tensors = _flat(groups)
+                seen = tensor_marks(tensors)
+            if not self._check(groups, buffer, base, seen):
+                return False
+        # A dtype can change under the same object and address (a ``.data`` view): read every
+        # step, since the kernel would take such a counter or moment as fp32.
+        if set(map(_DTYPE, tensors)) != {torch.float32}:
+            self._seen = None
+            return False
+        counters = [counter for _, group_counters, _, _ in groups for counter in group_counters]
+        if tuple(map(_VERSION, counters)) != self._agreed:
+            self._cut_runs(counters)
+        # Every gradient is cut before any counter moves, as torch gathers them before its calls.
+        calls = [plan.kernel_lists(buffer, *group) for plan, group in zip(self._plans, groups)]
+        optimizer = self.optimizer
+        # The profiler's range and hook point of torch's own step, so that traces read alike.
+        with torch.autograd.profiler.record_function(
+            f"Optimizer.step#{type(optimizer).__name__}.step"
+        ):
+            for (_, group_counters, _, _), lists, kwargs in zip(groups, calls, settings):
+                kernel = torch._fused_adamw_ if kwargs.pop("decoupled") else torch._fused_adam_
+                torch._foreach_add_(group_counters, 1)  # pylint: disable=protected-access
+                params, grads_of, avgs, sqs, steps = lists
+                kernel(params, grads_of, avgs, sqs, [], steps, **kwargs)
+            optimizer._optimizer_step_code()  # pylint: disable=protected-access
+        self._agreed = tuple(map(_VERSION, counters))
+        return True
+
+    def _check(self, groups, buffer: torch.Tensor, base: int, seen: tuple) -> bool:
+        """Whether torch's step would make exactly these calls: every tensor a plain fp32 one
+        on the buffer's device, parameters dense and back to back from ``base`` as the buffer
+        is laid out, moments of their parameters' shapes, counters scalars; remembers each
+        group's plan, and ``seen`` as checked, if so."""
+        self._seen, self._agreed = None, None
+        device, plans, at = buffer.device, [], base
+        for params, counters, avgs, sqs in groups:
+            start = (at - base) // 4
+            for param in params:
+                if param.data_ptr() != at or not param.is_contiguous():
+                    return False
+                at += param.nbytes
+            tensors = params + counters + avgs + sqs
+            if not all(type(t) in PLAIN_TENSORS for t in tensors):
+                return False
+            if {(t.device, t.dtype) for t in tensors} != {(device, torch.float32)}:
+                return False
+            if any(counter.dim() for counter in counters):
+                return False
+            shapes = [param.shape for param in params]
+            if [avg.shape for avg in avgs] != shapes or [sq.shape for sq in sqs] != shapes:
+                return False
+            plans.append(_GroupPlan(params, (avgs, sqs), start, base))
+        if buffer.dtype != torch.float32 or (at - base) // 4 > buffer.numel():
+            return False
+        self._plans, self._seen = plans, seen
+        return True
+
+    def _cut_runs(self, counters: List[torch.Tensor]):
+        """Cut each group's runs where its counters differ, reading them all at once (one wait
+        for the device) where any run is longer than one."""
+        plans = [plan for plan in self._plans if plan.layout_runs is not None]
+        if not any(count > 1 for plan in plans for _, count, _, _ in plan.layout_runs):
+            return
+        counts, start = torch.stack(counters).tolist(), 0
+        for plan in self._plans:
+            values = counts[start : start + len(plan.numels)]
+            start += len(plan.numels)
+            if plan.layout_runs is not None:
+                ends = [a != b for a, b in zip(values, values[1:])] + [True]
+                plan.runs = _cut(plan.layout_runs, plan.numels, ends)
+
+    @torch.no_grad()
+    def lay_out(self) -> bool:
+        """Lay the moments out one block per run (:func:`lay_out_moments`) where the kernel
+        step applies, unless they are as a step or the last lay-out left them.
+
+        Returns:
+            Whether any moment was moved.
+        """
+        if self._settings() is None:
+            return False
+        seen = self._moment_marks()
+        if seen is None or seen == self._checked:
+            return False
+        groups = [(params, [avgs, sqs]) for params, _, avgs, sqs in self._groups()]
+        moved = lay_out_moments(self.optimizer.state, groups)
+        if moved:
+            self._seen = None
+        self._checked = self._moment_marks()
+        return moved
+
+    def _moment_marks(self) -> Optional[tuple]:
+        """The marks of every parameter and moment, group by group; None where one is
+        missing."""
+        tensors = [t for params, _, avgs, sqs in self._groups() for t in params + avgs + sqs]
+        try:
+            return tensor_marks(tensors)
+        except TypeError:  # state missing
+            return None
+
+    def create_state(self, only: Optional[Set[int]] = None) -> bool:
+        """Nothing created ahead: torch's own first step creates the state (``only`` unused)."""
+        del only
+        return False
+
+
+def _flat(groups) -> List[torch.Tensor]:
+    """Every tensor of the groups, group by group: parameters, counters, moments."""
+    return [t for tensors in groups for values in tensors for t in values]
+
+
+def in_place_step(optimizer: torch.optim.Optimizer):
+    """The step that spares ``optimizer`` its walk over the parameters: over runs for TE's
+    FusedAdam (:class:`FlatInPlaceStep`), by its kernel for torch's own fused Adam and AdamW
+    (:class:`FusedListStep`)."""
+    if type(optimizer) in FUSED_TORCH_CLASSES:
+        return FusedListStep(optimizer)
+    return FlatInPlaceStep(optimizer)
