@@ -322,26 +322,9 @@ class FlatInPlaceStep:
         Returns:
             Whether any state was created.
         """
-        optimizer = self.optimizer
-        if not steps_flat(optimizer):
+        if not steps_flat(self.optimizer):
             return False
-        created = False
-        entries = state_entries(optimizer.state)
-        for group in optimizer.param_groups:
-            params = group["params"]
-            if not params or any(entries(params)):
-                continue
-            if not all(type(p) in PLAIN_TENSORS and p.numel() > 0 for p in params):
-                continue
-            if only is not None and not all(id(p) in only for p in params):
-                continue
-            runs = adjacent_runs(params)
-            moments = [[v for run in runs for v in _zero_moments(params, run)] for _ in _MOMENTS]
-            for param, values in zip(params, zip(*moments)):
-                for key, value in zip(_MOMENTS, values):
-                    optimizer.state[param][key] = value
-            created = True
-        return created
+        return create_laid_out_state(self.optimizer, only)
 
     @torch.no_grad()
     def lay_out(self) -> bool:
@@ -362,6 +345,43 @@ class FlatInPlaceStep:
             self._seen = None
         self._checked = _look(self._groups(with_grads=False))
         return moved
+
+
+@torch.no_grad()
+def create_laid_out_state(
+    optimizer: torch.optim.Optimizer, only: Optional[Set[int]] = None, counters: bool = False
+) -> bool:
+    """Give each group of ``optimizer`` whose parameters have no state yet zero fp32 moments,
+    one block per run of adjacent parameters (each parameter's moments views into it), and with
+    ``counters`` a zero fp32 counter per parameter on its device, as torch's fused Adam makes
+    them. Groups with any state, an empty or non-plain tensor, or a parameter whose ``id`` is
+    not in ``only`` (where given) are passed over, and so, with ``counters``, are groups of
+    parameters other than fp32 (whose moments torch makes in their dtype).
+
+    Returns:
+        Whether any state was created.
+    """
+    created = False
+    entries = state_entries(optimizer.state)
+    for group in optimizer.param_groups:
+        params = group["params"]
+        if not params or any(entries(params)):
+            continue
+        if not all(type(p) in PLAIN_TENSORS and p.numel() > 0 for p in params):
+            continue
+        if counters and any(p.dtype != torch.float32 for p in params):
+            continue
+        if only is not None and not all(id(p) in only for p in params):
+            continue
+        runs = adjacent_runs(params)
+        moments = [[v for run in runs for v in _zero_moments(params, run)] for _ in _MOMENTS]
+        for param, values in zip(params, zip(*moments)):
+            entry = optimizer.state[param]
+            if counters:
+                entry["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            entry.update(zip(_MOMENTS, values))
+        created = True
+    return created
 
 
 @torch.no_grad()

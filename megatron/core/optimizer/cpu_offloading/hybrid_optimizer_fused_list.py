@@ -4,18 +4,20 @@
 Where TE is not installed, Megatron's factory hands the HDO torch's fused AdamW for the fp32
 clones stepped in place. Its step gathers every parameter's gradient and state in Python before
 one kernel call per group, which with thousands of shards holds the calling thread for tens of
-milliseconds while the host buckets wait. Once torch's first step has made the state, the HDO
-makes the calls that step would make (:class:`FusedListStep`).
+milliseconds while the host buckets wait. The HDO makes the calls that step would make
+instead (:class:`FusedListStep`).
 
 The kernel is elementwise, reading each tensor's own counter, so a run of clones that lie back
 to back, with their moments laid out alike and counters of one value, can be handed to it as
-one tensor with the first one's counter. The moments torch created are moved into one block per
-run once (re-pointed with ``.data``, so the entries keep their tensors), as for TE's FusedAdam
-(:func:`~hybrid_optimizer_flat_in_place.lay_out_moments`). The counters stay torch's, one per
-parameter, every one of them stepped; their values are read when anything may have written one
-(a version counter moved, a tensor or its memory changed), and runs are split where they
-differ, so a clone that missed a step keeps its own count. Writes that leave no version behind
-(through ``.data``, or a collective into a counter) are not seen.
+one tensor with the first one's counter. The state is made as torch's first step would make it
+(a zero fp32 counter per clone, zero moments) but with the moments in one block per run
+(:func:`~hybrid_optimizer_flat_in_place.create_laid_out_state`); moments made otherwise (by
+torch's own step, a load, a client) are moved into such blocks once, re-pointed with ``.data``
+so that the entries keep their tensors (:func:`~hybrid_optimizer_flat_in_place.lay_out_moments`).
+The counters stay one per parameter, every one of them stepped; their values are read when
+anything may have written one (a version counter moved, a tensor or its memory changed), and
+runs are cut where they differ, so a clone that missed a step keeps its own count. Writes that
+leave no version behind (through ``.data``, or a collective into a counter) are not seen.
 """
 
 import inspect
@@ -31,6 +33,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place impor
     PLAIN_TENSORS,
     FlatInPlaceStep,
     _Layout,
+    create_laid_out_state,
     lay_out_moments,
     state_entries,
 )
@@ -129,14 +132,14 @@ class _GroupPlan:
 class FusedListStep:
     """Steps torch's fused Adam or AdamW in place by its kernel, over runs of adjacent clones.
 
-    Once every parameter has the state torch's fused step keeps, the HDO makes the calls that
-    step would make: each counter stepped, then one kernel call per group over its runs (each
-    parameter's own tensors where its moments do not lie like the clones), with the gradients
-    cut from the HDO's widened buffer instead of set on each parameter: the same kernel over
-    the same elements, so the same bits. The first step (which creates the state), amsgrad,
-    hooks, a step set on the instance or patched on the class, a scaler, capturable or foreach
-    modes, a tensor learning rate, a stream being captured and state on another device or of
-    another dtype leave the step to the optimizer, after which the moments are laid out.
+    The HDO makes the calls torch's fused step would make: each counter stepped, then one
+    kernel call per group over its runs (each parameter's own tensors where its moments do not
+    lie like the clones), with the gradients cut from the HDO's widened buffer instead of set
+    on each parameter: the same kernel over the same elements, so the same bits. Where no group
+    has state yet, it is made first (:meth:`create_state`). A group with part of its state,
+    amsgrad, hooks, a step set on the instance or patched on the class, a scaler, capturable or
+    foreach modes, a tensor learning rate, a stream being captured and state on another device
+    or of another dtype leave the step to the optimizer, after which the moments are laid out.
 
     Args:
         optimizer: the HDO's in-place optimizer.
@@ -194,16 +197,19 @@ class FusedListStep:
         if buffer.is_cuda and torch.cuda.is_current_stream_capturing():
             return False  # torch's step refuses to be captured in this mode: let it say so
         groups = self._groups()
-        tensors = _flat(groups)
-        try:  # group by group, so a parameter moved to another group changes the order too
-            seen = tensor_marks(tensors)
-        except TypeError:  # state missing (a first step) or no tensor
+        tensors = _flat(groups)  # group by group, so a parameter moved to another group tells
+        seen = _marks(tensors)
+        if seen is None and self.create_state():  # a first step: torch would create it now
+            groups = self._groups()
+            tensors = _flat(groups)
+            seen = _marks(tensors)
+        if seen is None:
             return False
         if seen != self._seen:
             if self.lay_out():  # moments torch or a load made one by one
                 groups = self._groups()
                 tensors = _flat(groups)
-                seen = tensor_marks(tensors)
+                seen = _marks(tensors)
             if not self._check(groups, buffer, base, seen):
                 return False
         # A dtype can change under the same object and address (a ``.data`` view): read every
@@ -296,16 +302,29 @@ class FusedListStep:
     def _moment_marks(self) -> Optional[tuple]:
         """The marks of every parameter and moment, group by group; None where one is
         missing."""
-        tensors = [t for params, _, avgs, sqs in self._groups() for t in params + avgs + sqs]
-        try:
-            return tensor_marks(tensors)
-        except TypeError:  # state missing
-            return None
+        return _marks([t for params, _, avgs, sqs in self._groups() for t in params + avgs + sqs])
 
     def create_state(self, only: Optional[Set[int]] = None) -> bool:
-        """Nothing created ahead: torch's own first step creates the state (``only`` unused)."""
-        del only
-        return False
+        """Give each group whose parameters have no state yet the state torch's fused step
+        creates on its first step (a zero fp32 counter per parameter, zero moments), with the
+        moments laid out one block per run, so that no step or lay-out moves them and none is
+        held twice. Where the kernel step does not apply, or a group has any state, torch's
+        step creates it (:func:`create_laid_out_state`, which says which groups).
+
+        Returns:
+            Whether any state was created.
+        """
+        if self._settings() is None:
+            return False
+        return create_laid_out_state(self.optimizer, only, counters=True)
+
+
+def _marks(tensors: List[torch.Tensor]) -> Optional[tuple]:
+    """:func:`tensor_marks` of ``tensors``; None where one is missing or no tensor."""
+    try:
+        return tensor_marks(tensors)
+    except TypeError:
+        return None
 
 
 def _flat(groups) -> List[torch.Tensor]:
