@@ -871,21 +871,42 @@ def test_a_clone_that_missed_a_step_keeps_its_own_count_inside_a_run(monkeypatch
     assert float(hdo.state[params[3]]["step"]) == float(hdo.state[params[2]]["step"]) - 1
 
 
-def test_a_counter_a_client_wrote_in_place_is_the_one_its_clone_is_stepped_with(monkeypatch):
-    """A counter a client sets in place (the same tensor, another value) is read before the
-    next kernel step, and its clone is stepped with it alone."""
+def stepped_twice(monkeypatch, seed):
+    """An HDO over ``LINE_NUMELS`` with torch's fused AdamW in place and its reference, after
+    two steps on the same gradients: the walks' spy, the generator, and both pairs."""
     walks = count_torch_walks(monkeypatch)
-    (hdo, params), (reference, ref_params) = fused_and_reference(
-        torch.optim.AdamW, numels=LINE_NUMELS, fraction=0.05
-    )
-    generator = torch.Generator().manual_seed(16)
+    ours, theirs = fused_and_reference(torch.optim.AdamW, numels=LINE_NUMELS, fraction=0.05)
+    generator = torch.Generator().manual_seed(seed)
     for _ in range(2):
-        step_both(generator, hdo, reference, params, ref_params)
+        step_both(generator, ours[0], theirs[0], ours[1], theirs[1])
+    return walks, generator, ours, theirs
+
+
+@pytest.mark.parametrize("write", ["in-place", "through-data"])
+def test_a_counter_a_client_wrote_is_the_one_its_clone_is_stepped_with(write, monkeypatch):
+    """A counter a client sets (the same tensor, another value; through ``.data`` too, which
+    leaves no trace on the tensor) is read before the next kernel step, and its clone is
+    stepped with it alone."""
+    walks, generator, (hdo, params), (reference, ref_params) = stepped_twice(monkeypatch, 16)
     for optimizer, tensors in ((hdo, params), (reference, ref_params)):
-        optimizer.state[tensors[4]]["step"].fill_(40.0)
+        counter = optimizer.state[tensors[4]]["step"]
+        (counter if write == "in-place" else counter.data).fill_(40.0)
     for _ in range(2):
         walks.clear()
         step_both(generator, hdo, reference, params, ref_params)
         assert hdo.gpu_optimizer not in walks
         assert_same_state(hdo, reference, params, ref_params)
     assert float(hdo.state[params[4]]["step"]) == 42.0
+
+
+def test_a_counter_two_clones_share_leaves_the_step_to_torch(monkeypatch):
+    """One counter tensor held by two clones' entries is stepped twice by torch's step, which
+    no run can repeat: the step is torch's own, to the same bits."""
+    walks, generator, (hdo, params), (reference, ref_params) = stepped_twice(monkeypatch, 18)
+    for optimizer, tensors in ((hdo, params), (reference, ref_params)):
+        optimizer.state[tensors[3]]["step"] = optimizer.state[tensors[1]]["step"]
+    for _ in range(2):
+        walks.clear()
+        step_both(generator, hdo, reference, params, ref_params)
+        assert hdo.gpu_optimizer in walks
+        assert_same_state(hdo, reference, params, ref_params)

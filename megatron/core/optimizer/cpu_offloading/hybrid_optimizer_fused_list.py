@@ -14,10 +14,9 @@ one tensor with the first one's counter. The state is made as torch's first step
 (:func:`~hybrid_optimizer_flat_in_place.create_laid_out_state`); moments made otherwise (by
 torch's own step, a load, a client) are moved into such blocks once, re-pointed with ``.data``
 so that the entries keep their tensors (:func:`~hybrid_optimizer_flat_in_place.lay_out_moments`).
-The counters stay one per parameter, every one of them stepped; their values are read when
-anything may have written one (a version counter moved, a tensor or its memory changed), and
-runs are cut where they differ, so a clone that missed a step keeps its own count. Writes that
-leave no version behind (through ``.data``, or a collective into a counter) are not seen.
+The counters stay one per parameter, every one of them stepped; their values are read every
+step, and runs are cut where they differ, so a clone that missed a step, or whose counter a
+client wrote, keeps its own count. Counters that share memory leave the step to torch.
 """
 
 import inspect
@@ -41,6 +40,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
     _hooked,
     _scaled,
     fused_kernel_settings,
+    share_memory,
     tensor_marks,
 )
 
@@ -48,7 +48,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
 FUSED_TORCH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 
 _DTYPE = operator.attrgetter("dtype")
-_VERSION = operator.attrgetter("_version")
 
 # The body of their step, under the wrappers torch puts around it.
 _TORCH_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
@@ -150,7 +149,6 @@ class FusedListStep:
         self._seen: Optional[tuple] = None  # the tensors and addresses the last step checked
         self._checked: Optional[tuple] = None  # and those the last lay-out left
         self._plans: List[_GroupPlan] = []
-        self._agreed: Optional[tuple] = None  # counters' versions when runs were last cut
 
     def applies(self) -> bool:
         """Whether the optimizer is torch's fused Adam or AdamW in the mode whose step is one
@@ -217,9 +215,9 @@ class FusedListStep:
         if set(map(_DTYPE, tensors)) != {torch.float32}:
             self._seen = None
             return False
-        counters = [counter for _, group_counters, _, _ in groups for counter in group_counters]
-        if tuple(map(_VERSION, counters)) != self._agreed:
-            self._cut_runs(counters)
+        self._cut_runs(
+            [counter for _, group_counters, _, _ in groups for counter in group_counters]
+        )
         # Every gradient is cut before any counter moves, as torch gathers them before its calls.
         calls = [plan.kernel_lists(buffer, *group) for plan, group in zip(self._plans, groups)]
         optimizer = self.optimizer
@@ -233,7 +231,6 @@ class FusedListStep:
                 params, grads_of, avgs, sqs, steps = lists
                 kernel(params, grads_of, avgs, sqs, [], steps, **kwargs)
             optimizer._optimizer_step_code()  # pylint: disable=protected-access
-        self._agreed = tuple(map(_VERSION, counters))
         return True
 
     def _check(self, groups, buffer: torch.Tensor, base: int, seen: tuple) -> bool:
@@ -241,7 +238,7 @@ class FusedListStep:
         on the buffer's device, parameters dense and back to back from ``base`` as the buffer
         is laid out, moments of their parameters' shapes, counters scalars; remembers each
         group's plan, and ``seen`` as checked, if so."""
-        self._seen, self._agreed = None, None
+        self._seen = None
         device, plans, at = buffer.device, [], base
         for params, counters, avgs, sqs in groups:
             start = (at - base) // 4
@@ -256,6 +253,8 @@ class FusedListStep:
                 return False
             if any(counter.dim() for counter in counters):
                 return False
+            if share_memory(counters):  # one shared counter is stepped once per parameter
+                return False
             shapes = [param.shape for param in params]
             if [avg.shape for avg in avgs] != shapes or [sq.shape for sq in sqs] != shapes:
                 return False
@@ -266,8 +265,10 @@ class FusedListStep:
         return True
 
     def _cut_runs(self, counters: List[torch.Tensor]):
-        """Cut each group's runs where its counters differ, reading them all at once (one wait
-        for the device) where any run is longer than one."""
+        """Cut each group's runs where its counters differ, reading them all at once where any
+        run is longer than one. They are read every step (on an accelerator, one wait for its
+        stream): a write through ``.data`` or a collective into a counter leaves no trace on
+        the tensor that would tell when to read them."""
         plans = [plan for plan in self._plans if plan.layout_runs is not None]
         if not any(count > 1 for plan in plans for _, count, _, _ in plan.layout_runs):
             return
