@@ -779,8 +779,9 @@ def spy_in_place_kernel(monkeypatch, hdo):
 
 def test_torch_fused_adamw_in_place_takes_runs_of_clones_with_their_moments_laid_out(monkeypatch):
     """The first step makes the state torch would make with the moments in one block per run
-    of clones, and from then on the kernel takes each run as one tensor, to the bits of torch
-    stepping every clone alone; no moment moves."""
+    of clones and each group's counters the scalars of one vector, and from then on the kernel
+    takes each run as one tensor, to the bits of torch stepping every clone alone; no moment
+    moves."""
     (hdo, params), (reference, ref_params) = fused_and_reference(
         torch.optim.AdamW, numels=LINE_NUMELS, fraction=0.05
     )
@@ -801,6 +802,12 @@ def test_torch_fused_adamw_in_place_takes_runs_of_clones_with_their_moments_laid
     for index, values in held.items():
         assert [hdo.state[params[index]][key] for key in MOMENT_KEYS] == values
         assert [value.data_ptr() for value in values] == places[index]
+    for group in hdo.gpu_optimizer.param_groups:  # each group's counters: one vector's scalars
+        counters = [hdo.gpu_optimizer.state[clone]["step"] for clone in group["params"]]
+        assert len({c.untyped_storage().data_ptr() for c in counters}) == 1
+        assert [c.data_ptr() - counters[0].data_ptr() for c in counters] == [
+            4 * i for i in range(len(counters))
+        ]
 
 
 def test_a_run_ends_after_a_clone_that_does_not_fill_whole_lines(monkeypatch):

@@ -375,10 +375,11 @@ def create_laid_out_state(
             continue
         runs = adjacent_runs(params)
         moments = [[v for run in runs for v in _zero_moments(params, run)] for _ in _MOMENTS]
-        for param, values in zip(params, zip(*moments)):
+        steps = _zero_counters(params) if counters else repeat(None)
+        for param, values, step in zip(params, zip(*moments), steps):
             entry = optimizer.state[param]
             if counters:
-                entry["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+                entry["step"] = step
             entry.update(zip(_MOMENTS, values))
         created = True
     return created
@@ -429,6 +430,16 @@ def lay_out_moments(state, groups) -> bool:
                     else:
                         state[param][key] = view
     return moved
+
+
+def _zero_counters(params: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """A zero fp32 counter for each parameter on its device, as torch's fused Adam makes them:
+    where the parameters share a device, the scalars of one vector, so that one add counts
+    the step and one read gives every value."""
+    devices = {param.device for param in params}
+    if len(devices) != 1:
+        return [torch.zeros((), dtype=torch.float32, device=param.device) for param in params]
+    return list(torch.zeros(len(params), dtype=torch.float32, device=devices.pop()).unbind())
 
 
 def _zero_moments(params: Sequence[torch.Tensor], run: Run) -> List[torch.Tensor]:

@@ -14,7 +14,8 @@ one tensor with the first one's counter. The state is made as torch's first step
 (:func:`~hybrid_optimizer_flat_in_place.create_laid_out_state`); moments made otherwise (by
 torch's own step, a load, a client) are moved into such blocks once, re-pointed with ``.data``
 so that the entries keep their tensors (:func:`~hybrid_optimizer_flat_in_place.lay_out_moments`).
-The counters stay one per parameter, every one of them stepped; their values are read every
+The counters stay one per parameter, every one of them stepped; made here, each group's are the
+scalars of one vector, which one add steps and one copy reads. Their values are read every
 step, and runs are cut where they differ, so a clone that missed a step, or whose counter a
 client wrote, keeps its own count. Counters that share memory leave the step to torch.
 """
@@ -83,6 +84,23 @@ def _cut(runs: List[KernelRun], numels: List[int], ends: List[bool]) -> List[Ker
     return pieces
 
 
+def _vector_of(counters: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat view over ``counters`` where they are consecutive fp32 scalars of one storage,
+    in order; None otherwise (or for fewer than two)."""
+    if len(counters) < 2:
+        return None
+    first = counters[0]
+    storage = first.untyped_storage()
+    if first.data_ptr() + 4 * len(counters) > storage.data_ptr() + storage.nbytes():
+        return None
+    for index, counter in enumerate(counters):
+        if counter.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        if counter.data_ptr() != first.data_ptr() + 4 * index:
+            return None
+    return first.as_strided((len(counters),), (1,))
+
+
 def _run_view(values: List[torch.Tensor], run: KernelRun) -> torch.Tensor:
     """The run's first value itself, or one flat view from it over the run."""
     first, count, numel, _ = run
@@ -93,8 +111,10 @@ class _GroupPlan:
     """Where one group's tensors lie: its gradients' span in the buffer, and its runs where the
     moments lie like the clones (None where they do not: the kernel then takes each tensor)."""
 
-    def __init__(self, params: List[torch.Tensor], moments, start: int, base: int):
+    def __init__(self, params: List[torch.Tensor], counters, moments, start: int, base: int):
         self.span = (start, start + sum(map(torch.Tensor.numel, params)))
+        # The counters as one vector, where they are its scalars in order (as the state is made).
+        self.counter_vector = _vector_of(counters)
         layout = _Layout(params)
         self.numels = layout.numels
         self.layout_runs: Optional[List[KernelRun]] = None
@@ -225,9 +245,14 @@ class FusedListStep:
         with torch.autograd.profiler.record_function(
             f"Optimizer.step#{type(optimizer).__name__}.step"
         ):
-            for (_, group_counters, _, _), lists, kwargs in zip(groups, calls, settings):
+            for (_, group_counters, _, _), plan, lists, kwargs in zip(
+                groups, self._plans, calls, settings
+            ):
                 kernel = torch._fused_adamw_ if kwargs.pop("decoupled") else torch._fused_adam_
-                torch._foreach_add_(group_counters, 1)  # pylint: disable=protected-access
+                if plan.counter_vector is not None:
+                    plan.counter_vector.add_(1)  # the same fp32 add as torch's, in one kernel
+                else:
+                    torch._foreach_add_(group_counters, 1)  # pylint: disable=protected-access
                 params, grads_of, avgs, sqs, steps = lists
                 kernel(params, grads_of, avgs, sqs, [], steps, **kwargs)
             optimizer._optimizer_step_code()  # pylint: disable=protected-access
@@ -258,7 +283,7 @@ class FusedListStep:
             shapes = [param.shape for param in params]
             if [avg.shape for avg in avgs] != shapes or [sq.shape for sq in sqs] != shapes:
                 return False
-            plans.append(_GroupPlan(params, (avgs, sqs), start, base))
+            plans.append(_GroupPlan(params, counters, (avgs, sqs), start, base))
         if buffer.dtype != torch.float32 or (at - base) // 4 > buffer.numel():
             return False
         self._plans, self._seen = plans, seen
@@ -272,7 +297,12 @@ class FusedListStep:
         plans = [plan for plan in self._plans if plan.layout_runs is not None]
         if not any(count > 1 for plan in plans for _, count, _, _ in plan.layout_runs):
             return
-        counts, start = torch.stack(counters).tolist(), 0
+        vectors = [plan.counter_vector for plan in self._plans]
+        if all(vector is not None for vector in vectors):
+            counts = torch.cat(vectors).tolist() if len(vectors) > 1 else vectors[0].tolist()
+        else:
+            counts = torch.stack(counters).tolist()
+        start = 0
         for plan in self._plans:
             values = counts[start : start + len(plan.numels)]
             start += len(plan.numels)
