@@ -8,6 +8,7 @@ the same clones one by one (``flat_in_place_steps = False``), bit for bit, throu
 moves of the state and a checkpoint.
 """
 
+import gc
 import io
 
 import pytest
@@ -897,3 +898,21 @@ def test_a_counter_two_clones_share_leaves_the_step_to_torch(monkeypatch):
         step_both(generator, hdo, reference, params, ref_params)
         assert hdo.gpu_optimizer in walks
         assert_same_state(hdo, reference, params, ref_params)
+
+
+def test_counters_a_client_replaced_are_freed_before_the_next_step(monkeypatch):
+    """Once a client puts new counters in place of the vector the state was made with (moving
+    the state away and back, say), the old one's memory is free: the kernel step keeps no view
+    of it between steps."""
+    _, _, (hdo, _), _ = stepped_twice(monkeypatch, 20)
+    state = hdo.gpu_optimizer.state
+    clones = [clone for group in hdo.gpu_optimizer.param_groups for clone in group["params"]]
+    # pylint: disable=protected-access
+    handles = [state[clone]["step"].untyped_storage()._weak_ref() for clone in clones]
+    for clone in clones:
+        state[clone]["step"] = state[clone]["step"].clone()
+    gc.collect()
+    freed = [torch.UntypedStorage._expired(handle) for handle in handles]
+    for handle in handles:
+        torch.UntypedStorage._free_weak_ref(handle)
+    assert all(freed)

@@ -84,21 +84,21 @@ def _cut(runs: List[KernelRun], numels: List[int], ends: List[bool]) -> List[Ker
     return pieces
 
 
-def _vector_of(counters: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """One flat view over ``counters`` where they are consecutive fp32 scalars of one storage,
-    in order; None otherwise (or for fewer than two)."""
+def _one_vector(counters: List[torch.Tensor]) -> bool:
+    """Whether ``counters`` are consecutive fp32 scalars of one storage, in order (and at
+    least two)."""
     if len(counters) < 2:
-        return None
+        return False
     first = counters[0]
     storage = first.untyped_storage()
     if first.data_ptr() + 4 * len(counters) > storage.data_ptr() + storage.nbytes():
-        return None
+        return False
     for index, counter in enumerate(counters):
         if counter.untyped_storage().data_ptr() != storage.data_ptr():
-            return None
+            return False
         if counter.data_ptr() != first.data_ptr() + 4 * index:
-            return None
-    return first.as_strided((len(counters),), (1,))
+            return False
+    return True
 
 
 def _run_view(values: List[torch.Tensor], run: KernelRun) -> torch.Tensor:
@@ -113,8 +113,10 @@ class _GroupPlan:
 
     def __init__(self, params: List[torch.Tensor], counters, moments, start: int, base: int):
         self.span = (start, start + sum(map(torch.Tensor.numel, params)))
-        # The counters as one vector, where they are its scalars in order (as the state is made).
-        self.counter_vector = _vector_of(counters)
+        # Whether the counters are one vector's scalars in order, as the state is made. The
+        # view over them is cut each step from the first counter, not kept: held here, it
+        # would keep their memory after a client moved or dropped the state.
+        self.counters_in_vector = _one_vector(counters)
         layout = _Layout(params)
         self.numels = layout.numels
         self.layout_runs: Optional[List[KernelRun]] = None
@@ -128,6 +130,12 @@ class _GroupPlan:
             # fill whole 64-byte lines, where that vector stays last.
             self.layout_runs = _cut(runs, self.numels, [n % _LINE_NUMEL != 0 for n in self.numels])
         self.runs = self.layout_runs  # cut further where the counters differ
+
+    def counter_vector(self, counters: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """One view over the group's counters where they lie as one vector, else None."""
+        if not self.counters_in_vector:
+            return None
+        return counters[0].as_strided((len(counters),), (1,))
 
     def kernel_lists(self, buffer: torch.Tensor, params, counters, avgs, sqs):
         """The kernel's tensor lists for this group: per run, or per tensor."""
@@ -235,9 +243,7 @@ class FusedListStep:
         if set(map(_DTYPE, tensors)) != {torch.float32}:
             self._seen = None
             return False
-        self._cut_runs(
-            [counter for _, group_counters, _, _ in groups for counter in group_counters]
-        )
+        self._cut_runs([group_counters for _, group_counters, _, _ in groups])
         # Every gradient is cut before any counter moves, as torch gathers them before its calls.
         calls = [plan.kernel_lists(buffer, *group) for plan, group in zip(self._plans, groups)]
         optimizer = self.optimizer
@@ -249,8 +255,9 @@ class FusedListStep:
                 groups, self._plans, calls, settings
             ):
                 kernel = torch._fused_adamw_ if kwargs.pop("decoupled") else torch._fused_adam_
-                if plan.counter_vector is not None:
-                    plan.counter_vector.add_(1)  # the same fp32 add as torch's, in one kernel
+                vector = plan.counter_vector(group_counters)
+                if vector is not None:
+                    vector.add_(1)  # the same fp32 add as torch's, in one kernel
                 else:
                     torch._foreach_add_(group_counters, 1)  # pylint: disable=protected-access
                 params, grads_of, avgs, sqs, steps = lists
@@ -289,7 +296,7 @@ class FusedListStep:
         self._plans, self._seen = plans, seen
         return True
 
-    def _cut_runs(self, counters: List[torch.Tensor]):
+    def _cut_runs(self, counters: List[List[torch.Tensor]]):
         """Cut each group's runs where its counters differ, reading them all at once where any
         run is longer than one. They are read every step (on an accelerator, one wait for its
         stream): a write through ``.data`` or a collective into a counter leaves no trace on
@@ -297,11 +304,11 @@ class FusedListStep:
         plans = [plan for plan in self._plans if plan.layout_runs is not None]
         if not any(count > 1 for plan in plans for _, count, _, _ in plan.layout_runs):
             return
-        vectors = [plan.counter_vector for plan in self._plans]
+        vectors = [plan.counter_vector(group) for plan, group in zip(self._plans, counters)]
         if all(vector is not None for vector in vectors):
             counts = torch.cat(vectors).tolist() if len(vectors) > 1 else vectors[0].tolist()
         else:
-            counts = torch.stack(counters).tolist()
+            counts = torch.stack([counter for group in counters for counter in group]).tolist()
         start = 0
         for plan in self._plans:
             values = counts[start : start + len(plan.numels)]
