@@ -41,7 +41,7 @@ HDO_TESTS=(
 )
 # Tests written for fixes (HDO ring and pinning, decoupled gradients, lazy build, bucketing).
 FIX_TESTS="bit_for_bit or ring or slots or slot_stages or decoupled or pins_no_more or first_use"
-FIX_TESTS="$FIX_TESTS or replace or bucketed or small"
+FIX_TESTS="$FIX_TESTS or replace or bucketed or small or steps_resume or any_step_count"
 
 # Runs one pytest selection; keeps the whole log and prints the outcome lines.
 run_pytest() {
@@ -66,7 +66,8 @@ for check in "$@"; do
         hdo) run_pytest hdo "${HDO_TESTS[@]}" ;;
         upstream-off)
             MEGATRON_OPTIMIZER_FORK=0 run_pytest upstream-off \
-                tests/unit_tests/test_optimizer_cpu_offloading.py -k "$FIX_TESTS"
+                tests/unit_tests/test_optimizer_cpu_offloading.py \
+                tests/unit_tests/test_hybrid_optimizer_step_counts.py -k "$FIX_TESTS"
             ;;
         resume-w1) run_resume resume-w1 "w1 and not fused_adam and not precision_aware" ;;
         resume-w2)

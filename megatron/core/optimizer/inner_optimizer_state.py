@@ -211,7 +211,7 @@ def keeps_param_remainders(optimizer: torch.optim.Optimizer, param: torch.Tensor
     )
 
 
-def _keeps_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
+def keeps_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
     """torch's Adam family keeps a step tensor per parameter; TE/Apex FusedAdam one per group."""
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
@@ -294,7 +294,7 @@ class InnerOptimizerState:
         than in the param groups (TE/Apex FusedAdam), read without changing anything."""
         if self.optimizer.state:
             return any("step" in entry for entry in self.optimizer.state.values())
-        return _keeps_steps_per_param(self.optimizer)
+        return keeps_steps_per_param(self.optimizer)
 
     @property
     def keeps_copies(self) -> bool:
@@ -630,7 +630,7 @@ class HybridDeviceOptimizerState(InnerOptimizerState):
     def counts_steps_per_param(self) -> bool:
         if self.optimizer.state:
             return super().counts_steps_per_param()
-        return any(_keeps_steps_per_param(o) for o in self.optimizer.sub_optimizers)
+        return any(keeps_steps_per_param(o) for o in self.optimizer.sub_optimizers)
 
     def materialise(self) -> None:
         """Create missing state where the optimizer places it (its ``dummy_step``)."""

@@ -77,8 +77,12 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     StateMap,
     home_of,
     placed,
+    plan_step_counts,
 )
-from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step
+from megatron.core.optimizer.inner_optimizer_state import (
+    keeps_steps_per_param,
+    materialise_by_null_step,
+)
 
 # Lets tests and tools tell this implementation from upstream's.
 FORK_IMPLEMENTATION = True
@@ -1242,7 +1246,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         fails in between leaves an optimizer that refuses to step or save.
         """
         self._ensure_built()
-        planned = self._plan_load(state_dict)
+        planned, group_steps = plan_step_counts(
+            self._plan_load(state_dict),
+            state_dict["param_groups"],
+            self.param_groups,
+            lambda param: keeps_steps_per_param(self._owner[self.param_to_inner_param[param]]),
+            f"{type(self).__name__}.load_state_dict",
+        )
         self._load_guard.failure = "load_state_dict did not complete"
         flat = self._flat_in_place_step()
         if flat is not None:
@@ -1265,6 +1275,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             {k: v for k, v in saved.items() if k not in _HDO_OPTIONS}
             for saved in state_dict["param_groups"]
         ]
+        for index, step in group_steps.items():
+            groups[index]["step"] = step  # handed to the sub-groups by the post-hook
         return {**state_dict, "state": {}, "param_groups": groups}
 
     def _coming_to_device(self, planned) -> List[torch.Tensor]:

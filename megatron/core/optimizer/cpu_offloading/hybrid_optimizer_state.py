@@ -56,6 +56,65 @@ def placed(
     return value
 
 
+def plan_step_counts(
+    planned: Dict[torch.Tensor, Dict[str, Any]],
+    saved_groups: List[Dict[str, Any]],
+    param_groups: List[Dict[str, Any]],
+    counts_per_param: Callable[[torch.Tensor], bool],
+    name: str,
+) -> Tuple[Dict[torch.Tensor, Dict[str, Any]], Dict[int, int]]:
+    """Each loaded entry's step count where the optimizer stepping it keeps it, for a
+    checkpoint saved by one that kept it elsewhere, changing nothing.
+
+    torch's Adam family counts steps in each parameter's state, TE and Apex FusedAdam in the
+    param group; a checkpoint saved with one in place and loaded with the other (TE installed
+    on one side only, say) holds the count only where the saving optimizer kept it. Without
+    it, torch's step raises ``KeyError: 'step'`` and FusedAdam restarts its bias correction.
+
+    Args:
+        planned: parameter -> its checked checkpoint entry.
+        saved_groups: the checkpoint's param groups (parameter ids as saved).
+        param_groups: the optimizer's groups, paired in order with ``saved_groups``.
+        counts_per_param: whether the optimizer stepping a parameter counts its steps in its
+            state.
+        name: what is loading, for the messages.
+
+    Returns:
+        ``planned`` with a ``step`` (the saved group's) in every entry with state that a
+        per-parameter counter steps and that holds none; and, per group index, the step for a
+        group whose checkpoint holds none while a per-group counter steps some of its
+        parameters: the largest of their saved counts, which is how many steps a per-group
+        counter would have made.
+
+    Raises:
+        KeyError: for an entry a per-parameter counter steps that holds state but no step,
+            in a group whose checkpoint holds none either, naming the parameter's id.
+    """
+    filled, group_steps = dict(planned), {}
+    for index, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        saved_step = saved.get("step")
+        counts = []
+        for param_id, param in zip(saved["params"], group["params"]):
+            values = planned.get(param, {})
+            if not any(key not in (MASTER, "step") for key in values):
+                continue  # never stepped: its optimizer makes the count on its first step
+            if counts_per_param(param):
+                if "step" in values:
+                    continue
+                if saved_step is None:
+                    raise KeyError(
+                        f"{name}: parameter {param_id!r} has state but no 'step', and its "
+                        f"param group {index} holds no step either, so its step count is lost"
+                    )
+                step = torch.tensor(float(saved_step), dtype=torch.float32)
+                filled[param] = {**values, "step": step}
+            elif "step" in values:
+                counts.append(values["step"])
+        if saved_step is None and counts:
+            group_steps[index] = max(int(float(count)) for count in counts)
+    return filled, group_steps
+
+
 class StateChanges:
     """What assignments into the entries left for the optimizer to finish.
 

@@ -1,0 +1,140 @@
+# Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+"""Checkpoints crossing between in-place optimizers that count Adam steps in different places.
+
+Megatron's factory hands the HybridDeviceOptimizer TE's FusedAdam for the parameters stepped in
+place where Transformer Engine imports, torch's fused AdamW where it does not. FusedAdam counts
+steps in each param group, torch in each parameter's state. A run saved on one side and resumed
+on the other must keep counting from where it was: each test compares the resumed HDO with one
+given the count by hand, bit for bit, and checks what a checkpoint without any count does.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+try:
+    from optimizer_doubles import GroupStepAdamW
+    from test_optimizer_cpu_offloading import checkpoint, train
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests.optimizer_doubles import GroupStepAdamW
+    from tests.unit_tests.test_optimizer_cpu_offloading import checkpoint, train
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUMELS = [4096, 1000, 77, 65536, 3, 12288, 513, 2048]
+
+# The in-place sides, as Megatron's factory configures each (torch's fused, the double as TE).
+PER_GROUP = (GroupStepAdamW, {})
+PER_PARAM = (torch.optim.AdamW, {"fused": True})
+
+
+def make_hdo(in_place, seed=0):
+    """An HDO over bf16 parameters in two groups, half of them stepped in place by ``in_place``
+    (a class and its options): ``(hdo, params)``."""
+    generator = torch.Generator().manual_seed(seed)
+    params = [
+        torch.nn.Parameter(torch.randn(n, generator=generator).to(DEVICE, torch.bfloat16))
+        for n in NUMELS
+    ]
+    gpu_cls, options = in_place
+    hdo = HybridDeviceOptimizer(
+        [{"params": params[:5], "weight_decay": 0.01}, {"params": params[5:]}],
+        offload_fraction=0.5,
+        cpu_optimizer_cls=torch.optim.AdamW,
+        gpu_optimizer_cls=gpu_cls,
+        param_update_in_fp32=True,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        **options,
+    )
+    return hdo, params
+
+
+def in_place_ids(hdo):
+    """Checkpoint ids of the parameters stepped in place."""
+    params = [p for group in hdo.param_groups for p in group["params"]]
+    return [i for i, p in enumerate(params) if p not in hdo.gpu_params_map_cpu_copy]
+
+
+def assert_same(resumed, reference):
+    """Parameters and every state entry of two HDOs' parameters equal bit for bit."""
+    (hdo, params), (other, other_params) = resumed, reference
+    for index, (a, b) in enumerate(zip(params, other_params)):
+        assert torch.equal(a, b), f"parameter {index} differs"
+        mine, theirs = hdo.state[a], other.state[b]
+        assert sorted(mine) == sorted(theirs), index
+        for key, value in theirs.items():
+            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(value)), (index, key)
+
+
+def test_group_counted_steps_resume_where_torch_counts_them_per_parameter():
+    """A checkpoint of FusedAdam in place (steps in the groups) resumed with torch's fused
+    AdamW in place: every in-place parameter's count is its group's, as if torch had counted
+    it, instead of ``KeyError: 'step'`` at the first step."""
+    source, source_params = make_hdo(PER_GROUP)
+    train(source_params, source, 3, seed=1)
+    saved = checkpoint(source)
+    assert all("step" not in saved["state"][i] for i in in_place_ids(source))
+
+    resumed = make_hdo(PER_PARAM, seed=5)
+    resumed[0].load_state_dict(copy.deepcopy(saved))
+    by_hand = copy.deepcopy(saved)
+    groups = {i: g for g in by_hand["param_groups"] for i in g["params"]}
+    for i in in_place_ids(source):
+        by_hand["state"][i]["step"] = torch.tensor(float(groups[i]["step"]))
+    reference = make_hdo(PER_PARAM, seed=6)
+    reference[0].load_state_dict(by_hand)
+
+    for i in in_place_ids(source):
+        assert float(resumed[0].state[resumed[1][i]]["step"]) == 3.0
+    for hdo, params in (resumed, reference):
+        train(params, hdo, 2, seed=2)
+    assert_same(resumed, reference)
+
+
+def test_per_parameter_steps_resume_where_the_group_counts_them():
+    """A checkpoint of torch's AdamW in place (steps per parameter, none in the groups) resumed
+    with FusedAdam in place: its groups count on from the parameters' steps instead of
+    restarting the bias correction at one."""
+    source, source_params = make_hdo(PER_PARAM)
+    train(source_params, source, 3, seed=1)
+    saved = checkpoint(source)
+    assert all("step" not in group for group in saved["param_groups"])
+
+    resumed = make_hdo(PER_GROUP, seed=5)
+    resumed[0].load_state_dict(copy.deepcopy(saved))
+    by_hand = copy.deepcopy(saved)
+    for group in by_hand["param_groups"]:
+        group["step"] = 3
+    reference = make_hdo(PER_GROUP, seed=6)
+    reference[0].load_state_dict(by_hand)
+
+    assert [group.get("step") for group in resumed[0].gpu_optimizer.param_groups] == [3, 3]
+    for hdo, params in (resumed, reference):
+        train(params, hdo, 2, seed=2)
+    assert_same(resumed, reference)
+    assert [group["step"] for group in resumed[0].gpu_optimizer.param_groups] == [5, 5]
+
+
+def test_state_without_any_step_count_is_refused_before_anything_changes():
+    """In-place state with no count anywhere (neither in the entry nor in its group) cannot
+    resume torch's AdamW: the load says which parameter, and the optimizer is as it was."""
+    source, source_params = make_hdo(PER_GROUP)
+    train(source_params, source, 2, seed=1)
+    saved = checkpoint(source)
+    for group in saved["param_groups"]:
+        del group["step"]
+
+    hdo, params = make_hdo(PER_PARAM, seed=5)
+    twin = make_hdo(PER_PARAM, seed=5)
+    for optimizer, tensors in (hdo, params), twin:
+        train(tensors, optimizer, 1, seed=3)
+    first = in_place_ids(source)[0]
+    with pytest.raises(KeyError, match=rf"parameter {first}\b.*'step'"):
+        hdo.load_state_dict(saved)
+    assert_same((hdo, params), twin)
+    for optimizer, tensors in (hdo, params), twin:
+        train(tensors, optimizer, 1, seed=4)
+    assert_same((hdo, params), twin)
