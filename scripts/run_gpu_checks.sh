@@ -39,9 +39,11 @@ RESUME=tests/unit_tests/test_distrib_optimizer_resume.py
 HDO_TESTS=(
     tests/unit_tests/test_optimizer_cpu_offloading.py tests/unit_tests/test_hybrid_optimizer_*.py
 )
-# Tests written for fixes (HDO ring and pinning, decoupled gradients, lazy build, bucketing).
+# Tests written for fixes (HDO ring and pinning, decoupled gradients, lazy build, bucketing,
+# step counts across in-place optimizers).
 FIX_TESTS="bit_for_bit or ring or slots or slot_stages or decoupled or pins_no_more or first_use"
-FIX_TESTS="$FIX_TESTS or replace or bucketed or small or steps_resume or any_step_count"
+FIX_TESTS="$FIX_TESTS or replace or bucketed or small"
+FIX_TESTS="$FIX_TESTS or steps_resume or any_step_count or crosses_twice or never_stepped_counts"
 
 # Runs one pytest selection; keeps the whole log and prints the outcome lines.
 run_pytest() {

@@ -22,12 +22,26 @@ except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests.optimizer_doubles import GroupStepAdamW
     from tests.unit_tests.test_optimizer_cpu_offloading import checkpoint, train
 
+try:  # the fork's registry of optimizers that count steps per group
+    from megatron.core.optimizer import inner_optimizer_state
+except ImportError:
+    inner_optimizer_state = None
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NUMELS = [4096, 1000, 77, 65536, 3, 12288, 513, 2048]
 
 # The in-place sides, as Megatron's factory configures each (torch's fused, the double as TE).
 PER_GROUP = (GroupStepAdamW, {})
 PER_PARAM = (torch.optim.AdamW, {"fused": True})
+
+
+@pytest.fixture(autouse=True)
+def group_step_double_counts_per_group(monkeypatch):
+    """The double stands in for FusedAdam: registered where the fork keeps that registry."""
+    if hasattr(inner_optimizer_state, "GROUP_STEP_CLASSES"):
+        identity = (GroupStepAdamW.__module__, GroupStepAdamW.__qualname__)
+        classes = inner_optimizer_state.GROUP_STEP_CLASSES | {identity}
+        monkeypatch.setattr(inner_optimizer_state, "GROUP_STEP_CLASSES", classes)
 
 
 def make_hdo(in_place, seed=0):
@@ -138,3 +152,71 @@ def test_state_without_any_step_count_is_refused_before_anything_changes():
     for optimizer, tensors in (hdo, params), twin:
         train(tensors, optimizer, 1, seed=4)
     assert_same((hdo, params), twin)
+
+
+def in_place_counts(hdo):
+    """The counts the in-place optimizer reads: its groups' steps, or its entries' steps."""
+    optimizer = hdo.gpu_optimizer
+    if isinstance(optimizer, torch.optim.AdamW):
+        return [
+            float(optimizer.state[p]["step"]) for g in optimizer.param_groups for p in g["params"]
+        ]
+    return [group.get("step") for group in optimizer.param_groups]
+
+
+def counts_by_hand(saved, in_place, ids, count):
+    """``saved`` with ``count`` where ``in_place`` reads it, for the parameters ``ids``."""
+    by_hand = copy.deepcopy(saved)
+    for group in by_hand["param_groups"]:
+        group.pop("step", None)
+        if in_place is PER_GROUP:
+            group["step"] = count
+    for i in ids:
+        by_hand["state"][i].pop("step", None)
+        if in_place is PER_PARAM:
+            by_hand["state"][i]["step"] = torch.tensor(float(count))
+    return by_hand
+
+
+@pytest.mark.parametrize(
+    "first, second", [(PER_PARAM, PER_GROUP), (PER_GROUP, PER_PARAM)], ids=["torch-te", "te-torch"]
+)
+def test_a_run_that_crosses_twice_steps_resume_from_the_count_it_reached(first, second):
+    """Saved on one side, resumed and trained on the other, saved again and resumed on the
+    first side: the count is the one the run reached, not one the first load left behind where
+    the second side does not read it."""
+    source, source_params = make_hdo(first)
+    train(source_params, source, 3, seed=1)
+    crossed, crossed_params = make_hdo(second, seed=5)
+    crossed.load_state_dict(checkpoint(source))
+    train(crossed_params, crossed, 2, seed=2)
+    saved = checkpoint(crossed)
+
+    back, back_params = make_hdo(first, seed=6)
+    back.load_state_dict(copy.deepcopy(saved))
+    ids = in_place_ids(source)
+    assert set(in_place_counts(back)) == {5}
+    reference = make_hdo(first, seed=7)
+    reference[0].load_state_dict(counts_by_hand(saved, first, ids, 5))
+    for hdo, params in ((back, back_params), reference):
+        train(params, hdo, 2, seed=3)
+    assert_same((back, back_params), reference)
+
+
+def test_a_group_the_checkpoint_never_stepped_counts_from_zero_after_the_load():
+    """Loaded into an HDO that has trained, a group without a saved count leaves FusedAdam's
+    group no count of its own, as its own load would: the trained count would bias-correct
+    the next update of state that never stepped."""
+    source, source_params = make_hdo(PER_GROUP)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):  # the second group never gets a gradient
+        for param in source_params[:5]:
+            param.grad = torch.randn(param.shape, generator=generator).to(DEVICE, param.dtype)
+        source.step()
+    saved = checkpoint(source)
+    assert "step" in saved["param_groups"][0] and "step" not in saved["param_groups"][1]
+
+    trained, trained_params = make_hdo(PER_GROUP, seed=5)
+    train(trained_params, trained, 4, seed=2)
+    trained.load_state_dict(saved)
+    assert [group.get("step") for group in trained.gpu_optimizer.param_groups] == [3, None]

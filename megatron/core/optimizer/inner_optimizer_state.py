@@ -211,9 +211,26 @@ def keeps_param_remainders(optimizer: torch.optim.Optimizer, param: torch.Tensor
     )
 
 
+# Optimizers (module, class name) known to count Adam steps in ``param_group["step"]`` and to
+# read no per-parameter count.
+GROUP_STEP_CLASSES = {
+    ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam"),
+    ("apex.optimizers.fused_adam", "FusedAdam"),
+}
+
+
 def keeps_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
     """torch's Adam family keeps a step tensor per parameter; TE/Apex FusedAdam one per group."""
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def step_counter_of(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Where ``optimizer`` reads its Adam step count: ``"param"`` (torch's Adam family),
+    ``"group"`` (:data:`GROUP_STEP_CLASSES`), or None for any other optimizer."""
+    if keeps_steps_per_param(optimizer):
+        return "param"
+    cls = type(optimizer)
+    return "group" if (cls.__module__, cls.__qualname__) in GROUP_STEP_CLASSES else None
 
 
 class InnerOptimizerState:

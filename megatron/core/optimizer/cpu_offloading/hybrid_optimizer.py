@@ -79,10 +79,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     placed,
     plan_step_counts,
 )
-from megatron.core.optimizer.inner_optimizer_state import (
-    keeps_steps_per_param,
-    materialise_by_null_step,
-)
+from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step, step_counter_of
 
 # Lets tests and tools tell this implementation from upstream's.
 FORK_IMPLEMENTATION = True
@@ -1062,10 +1059,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             sub_group.update(_hyperparameters(self.param_groups[index]))
 
     def _hand_back_group_steps(self):
-        """Give a step restored into the public groups back to the sub-groups."""
+        """Give the public groups' loaded steps to the sub-groups: a group loaded without one
+        leaves its sub-groups none, as a sub-optimizer's own load would."""
         for sub_group, index in self._sub_groups:
             if "step" in self.param_groups[index]:
                 sub_group["step"] = self.param_groups[index]["step"]
+            else:
+                sub_group.pop("step", None)
 
     def _list_created_state(self):
         """Show in ``self.state`` the entries that got state since the last look (the
@@ -1250,7 +1250,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self._plan_load(state_dict),
             state_dict["param_groups"],
             self.param_groups,
-            lambda param: keeps_steps_per_param(self._owner[self.param_to_inner_param[param]]),
+            lambda param: step_counter_of(self._owner[self.param_to_inner_param[param]]),
             f"{type(self).__name__}.load_state_dict",
         )
         self._load_guard.failure = "load_state_dict did not complete"
@@ -1275,8 +1275,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             {k: v for k, v in saved.items() if k not in _HDO_OPTIONS}
             for saved in state_dict["param_groups"]
         ]
-        for index, step in group_steps.items():
-            groups[index]["step"] = step  # handed to the sub-groups by the post-hook
+        for index, step in group_steps.items():  # the post-hook hands them to the sub-groups
+            if step is None:
+                groups[index].pop("step", None)
+            else:
+                groups[index]["step"] = step
         return {**state_dict, "state": {}, "param_groups": groups}
 
     def _coming_to_device(self, planned) -> List[torch.Tensor]:

@@ -60,31 +60,34 @@ def plan_step_counts(
     planned: Dict[torch.Tensor, Dict[str, Any]],
     saved_groups: List[Dict[str, Any]],
     param_groups: List[Dict[str, Any]],
-    counts_per_param: Callable[[torch.Tensor], bool],
+    counter_of: Callable[[torch.Tensor], Optional[str]],
     name: str,
-) -> Tuple[Dict[torch.Tensor, Dict[str, Any]], Dict[int, int]]:
-    """Each loaded entry's step count where the optimizer stepping it keeps it, for a
+) -> Tuple[Dict[torch.Tensor, Dict[str, Any]], Dict[int, Optional[int]]]:
+    """Each loaded step count where the optimizer stepping its parameter reads it, for a
     checkpoint saved by one that kept it elsewhere, changing nothing.
 
     torch's Adam family counts steps in each parameter's state, TE and Apex FusedAdam in the
     param group; a checkpoint saved with one in place and loaded with the other (TE installed
     on one side only, say) holds the count only where the saving optimizer kept it. Without
     it, torch's step raises ``KeyError: 'step'`` and FusedAdam restarts its bias correction.
+    A count the loading optimizer does not read is dropped, since nothing would advance it and
+    a later load would take it for the live one.
 
     Args:
         planned: parameter -> its checked checkpoint entry.
         saved_groups: the checkpoint's param groups (parameter ids as saved).
         param_groups: the optimizer's groups, paired in order with ``saved_groups``.
-        counts_per_param: whether the optimizer stepping a parameter counts its steps in its
-            state.
+        counter_of: where the optimizer stepping a parameter reads its count: ``"param"``,
+            ``"group"``, or None (another optimizer: its entries and group are left as saved).
         name: what is loading, for the messages.
 
     Returns:
         ``planned`` with a ``step`` (the saved group's) in every entry with state that a
-        per-parameter counter steps and that holds none; and, per group index, the step for a
-        group whose checkpoint holds none while a per-group counter steps some of its
-        parameters: the largest of their saved counts, which is how many steps a per-group
-        counter would have made.
+        per-parameter counter steps and that holds none, and no ``step`` in the entries a
+        per-group counter steps; and, per group index, the group's step where it changes: the
+        largest of its parameters' saved counts for a group a per-group counter steps whose
+        checkpoint holds none (how many steps that counter would have made), or None (drop
+        it) for a group only per-parameter counters step.
 
     Raises:
         KeyError: for an entry a per-parameter counter steps that holds state but no step,
@@ -93,14 +96,16 @@ def plan_step_counts(
     filled, group_steps = dict(planned), {}
     for index, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         saved_step = saved.get("step")
+        counters = [counter_of(param) for param in group["params"]]
         counts = []
-        for param_id, param in zip(saved["params"], group["params"]):
+        for param_id, param, counter in zip(saved["params"], group["params"], counters):
             values = planned.get(param, {})
-            if not any(key not in (MASTER, "step") for key in values):
-                continue  # never stepped: its optimizer makes the count on its first step
-            if counts_per_param(param):
-                if "step" in values:
-                    continue
+            stepped = any(key not in (MASTER, "step") for key in values)
+            if counter == "group" and "step" in values:
+                if stepped:
+                    counts.append(values["step"])
+                filled[param] = {key: value for key, value in values.items() if key != "step"}
+            elif counter == "param" and stepped and "step" not in values:
                 if saved_step is None:
                     raise KeyError(
                         f"{name}: parameter {param_id!r} has state but no 'step', and its "
@@ -108,10 +113,10 @@ def plan_step_counts(
                     )
                 step = torch.tensor(float(saved_step), dtype=torch.float32)
                 filled[param] = {**values, "step": step}
-            elif "step" in values:
-                counts.append(values["step"])
-        if saved_step is None and counts:
+        if "group" in counters and saved_step is None and counts:
             group_steps[index] = max(int(float(count)) for count in counts)
+        elif counters and set(counters) == {"param"} and saved_step is not None:
+            group_steps[index] = None
     return filled, group_steps
 
 
