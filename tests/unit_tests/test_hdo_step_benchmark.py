@@ -546,3 +546,54 @@ def test_the_copies_benchmark_times_adamw_at_each_thread_count_and_can_skip_the_
     ]
     assert not any("narrowed" in label or "widened" in label for label in results)
     assert any("widened" in label for label in host_adam_dma.main(args[:6]))
+
+
+def _bench_row(implementation, case="gpt", fraction=0.5, step=0.1, ratio=1.0, limit=1.1):
+    """A row as ``hdo_step.py`` writes it, with the fields the table reads."""
+    return {
+        "implementation": implementation,
+        "case": case,
+        "fraction": fraction,
+        "overlap": True,
+        "step_s": step,
+        "step_min_s": step * 0.9,
+        "step_max_s": step * 1.1,
+        "pinned_held_mib": 64.0,
+        "floor_s": step / ratio,
+        "limit_s": step / limit,
+        "ratio": ratio,
+        "ratio_limit": limit,
+        "ratio_paired": 1.2,
+        "ratio_fp32_contended": None,
+    }
+
+
+def test_the_table_sets_each_fork_row_beside_upstream_s_and_bolds_only_both_bounds_met(
+    tmp_path, capsys
+):
+    """``hdo_step_table.py`` pairs each fork row with upstream's row of the same case and
+    fraction, prints the run's own floor and limit, and bolds a step only within 1.3x of the
+    floor and 1.15x of the limit; ``-`` where a ratio or upstream's row was not measured."""
+    import hdo_step_table  # pylint: disable=import-outside-toplevel
+
+    rows = [
+        _bench_row("upstream 0.19.2", fraction=1.0, step=0.5, ratio=2.5, limit=3.5),
+        _bench_row("fork", fraction=1.0, step=0.2, ratio=1.0, limit=1.15),
+        _bench_row("fork", fraction=0.5, step=0.1, ratio=0.9, limit=1.16),
+        _bench_row("fork@.ab/main", case="moe", step=0.1, ratio=1.31, limit=1.0),
+    ]
+    path = tmp_path / "hdo_step_cuda.json"
+    path.write_text(json.dumps({"device": "test", "rows": rows}))
+
+    assert hdo_step_table.main([str(path), "--run", "R", "--no-header"]) == 0
+    within, past_limit = capsys.readouterr().out.strip().splitlines()
+    assert within == (
+        "| gpt | 1.0 | R | 0.500 (0.450-0.550), 64.0 | 0.200 / 0.174 "
+        "| **0.200** (0.180-0.220), 64.0 | 1.00x | 1.15x | 1.20x | - |"
+    )
+    assert past_limit.startswith("| gpt | 0.5 | R | - | 0.111 / 0.086 | 0.100 (")
+    assert hdo_step_table.main([str(path), "--implementation", "fork@.ab/main"]) == 0
+    header, rule, past_floor = capsys.readouterr().out.strip().splitlines()
+    assert header.startswith("| case |") and rule.startswith("|---|")
+    assert "| 0.100 (0.090-0.110), 64.0 | 1.31x | 1.00x |" in past_floor
+    assert hdo_step_table.main([str(path), "--implementation", "fork parts"]) == 1
