@@ -1,4 +1,5 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
+# pylint: disable=bad-builtin
 """The README's step table from ``hdo_step.py``'s JSON files, upstream beside the fork.
 
 One markdown row per case, fraction and overlap setting in each file: upstream's step with its
