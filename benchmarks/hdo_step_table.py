@@ -2,10 +2,11 @@
 # pylint: disable=bad-builtin
 """The README's step table from ``hdo_step.py``'s JSON files, upstream beside the fork.
 
-One markdown row per case, fraction and overlap setting in each file: upstream's step with its
-min-max and pinned MiB, the floor and the limit measured in that run, then the fork's step and
-its ratios (``/floor``, ``/limit``, ``/paired`` and ``/fp32`` where the run measured them). A
-fork step within both of the issue's bounds (1.3x of the floor, 1.15x of the limit) is bold.
+One markdown row per case, fraction and overlap setting in each file (a row without overlap
+says so in its run cell): upstream's step with its min-max and pinned MiB, the floor and the
+limit measured in that run, then the fork's step and its ratios (``/floor``, ``/limit``,
+``/paired`` and ``/fp32`` where the run measured them). A fork step within both of the issue's
+bounds (1.3x of the floor, 1.15x of the limit) is bold.
 Rows of other implementations (``fork@PATH``, variants) are listed with ``--implementation``.
 
     python benchmarks/hdo_step_table.py results/hdo_step_cuda.json --run "H100 23"
@@ -58,7 +59,7 @@ def table_rows(rows: Iterable[Dict], run: str, implementation: str = "fork") -> 
         cells = [
             row["case"],
             f"{row['fraction']:.1f}",
-            run,
+            run if row["overlap"] else f"{run}, overlap off".lstrip(", "),
             "-" if theirs is None else _step(theirs),
             f"{row['floor_s']:.3f} / {row['limit_s']:.3f}",
             _step(row, bold=within_bounds(row)),

@@ -596,4 +596,8 @@ def test_the_table_sets_each_fork_row_beside_upstream_s_and_bolds_only_both_boun
     header, rule, past_floor = capsys.readouterr().out.strip().splitlines()
     assert header.startswith("| case |") and rule.startswith("|---|")
     assert "| 0.100 (0.090-0.110), 64.0 | 1.31x | 1.00x |" in past_floor
+    rows[1]["overlap"] = False  # no longer upstream's pair, and said so
+    path.write_text(json.dumps({"device": "test", "rows": rows}))
+    assert hdo_step_table.main([str(path), "--run", "R", "--no-header"]) == 0
+    assert capsys.readouterr().out.startswith("| gpt | 1.0 | R, overlap off | - |")
     assert hdo_step_table.main([str(path), "--implementation", "fork parts"]) == 1
