@@ -219,7 +219,7 @@ GROUP_STEP_CLASSES = {
 }
 
 
-def keeps_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
+def _keeps_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
     """torch's Adam family keeps a step tensor per parameter; TE/Apex FusedAdam one per group."""
     return isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
 
@@ -227,7 +227,7 @@ def keeps_steps_per_param(optimizer: torch.optim.Optimizer) -> bool:
 def step_counter_of(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """Where ``optimizer`` reads its Adam step count: ``"param"`` (torch's Adam family),
     ``"group"`` (:data:`GROUP_STEP_CLASSES`), or None for any other optimizer."""
-    if keeps_steps_per_param(optimizer):
+    if _keeps_steps_per_param(optimizer):
         return "param"
     cls = type(optimizer)
     return "group" if (cls.__module__, cls.__qualname__) in GROUP_STEP_CLASSES else None
@@ -311,7 +311,7 @@ class InnerOptimizerState:
         than in the param groups (TE/Apex FusedAdam), read without changing anything."""
         if self.optimizer.state:
             return any("step" in entry for entry in self.optimizer.state.values())
-        return keeps_steps_per_param(self.optimizer)
+        return _keeps_steps_per_param(self.optimizer)
 
     @property
     def keeps_copies(self) -> bool:
@@ -647,7 +647,7 @@ class HybridDeviceOptimizerState(InnerOptimizerState):
     def counts_steps_per_param(self) -> bool:
         if self.optimizer.state:
             return super().counts_steps_per_param()
-        return any(keeps_steps_per_param(o) for o in self.optimizer.sub_optimizers)
+        return any(_keeps_steps_per_param(o) for o in self.optimizer.sub_optimizers)
 
     def materialise(self) -> None:
         """Create missing state where the optimizer places it (its ``dummy_step``)."""
