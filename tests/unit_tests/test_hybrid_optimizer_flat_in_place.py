@@ -563,9 +563,12 @@ def in_place_indices(hdo, params):
     return [i for i, p in enumerate(params) if p not in hdo.gpu_params_map_cpu_copy]
 
 
-def assert_same_state(hdo, reference, params, ref_params):
-    """Parameters and every state entry (counters, moments, masters) equal bit for bit."""
+def assert_same_state(hdo, reference, params, ref_params, skip=()):
+    """Parameters and every state entry (counters, moments, masters) equal bit for bit, but
+    for the parameters at the indices in ``skip``."""
     for index, (a, b) in enumerate(zip(params, ref_params)):
+        if index in skip:
+            continue
         assert torch.equal(a, b), f"parameter {index} differs"
         mine, theirs = hdo.state[a], reference.state[b]
         assert sorted(mine) == sorted(theirs), index
@@ -889,15 +892,20 @@ def test_a_counter_a_client_wrote_is_the_one_its_clone_is_stepped_with(write, mo
 
 def test_a_counter_two_clones_share_leaves_the_step_to_torch(monkeypatch):
     """One counter tensor held by two clones' entries is stepped twice by torch's step, which
-    no run can repeat: the step is torch's own, to the same bits."""
+    no run can repeat: the step is torch's own, to the same bits, and the entries keep sharing
+    the one counter."""
     walks, generator, (hdo, params), (reference, ref_params) = stepped_twice(monkeypatch, 18)
     for optimizer, tensors in ((hdo, params), (reference, ref_params)):
         optimizer.state[tensors[3]]["step"] = optimizer.state[tensors[1]]["step"]
+    # On CUDA torch counts the shared counter in a kernel whose blocks race for it (it gains
+    # one or two a step), so two torch steps agree on those two parameters only on the host.
+    racing = {1, 3} if params[1].is_cuda else set()
     for _ in range(2):
         walks.clear()
         step_both(generator, hdo, reference, params, ref_params)
         assert hdo.gpu_optimizer in walks
-        assert_same_state(hdo, reference, params, ref_params)
+        assert hdo.state[params[3]]["step"] is hdo.state[params[1]]["step"]
+        assert_same_state(hdo, reference, params, ref_params, skip=racing)
 
 
 def test_counters_a_client_replaced_are_freed_before_the_next_step(monkeypatch):
