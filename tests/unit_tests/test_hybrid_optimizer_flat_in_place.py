@@ -106,6 +106,16 @@ def give_grads(generator, *param_lists):
             param.grad = torch.randn(param.numel(), generator=generator).to(DEVICE, param.dtype)
 
 
+def steps_with_a_gradient_missing(generator, params, ref_params, missing, steps=4):
+    """Gives both sides the same gradients before each of ``steps`` steps, whose number it
+    yields, but none to the parameter at index ``missing`` before step 2."""
+    for step in range(steps):
+        give_grads(generator, params, ref_params)
+        if step == 2:
+            params[missing].grad = ref_params[missing].grad = None
+        yield step
+
+
 def count_walked(monkeypatch, cls):
     """A list that gets, for each call of ``cls.step``, the tensors its groups hold."""
     walked = []
@@ -391,10 +401,7 @@ def test_a_step_where_an_in_place_parameter_has_no_gradient_is_the_optimizer_s_o
     (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls)
     generator = torch.Generator().manual_seed(4)
     frozen = len(NUMELS) - 2  # in place, in the second group
-    for step in range(4):
-        give_grads(generator, params, ref_params)
-        if step == 2:
-            params[frozen].grad = ref_params[frozen].grad = None
+    for step in steps_with_a_gradient_missing(generator, params, ref_params, frozen):
         walked.clear()
         hdo.step()
         in_place = sum(len(group["params"]) for group in hdo.gpu_optimizer.param_groups)
@@ -720,10 +727,7 @@ def test_a_step_with_an_in_place_gradient_missing_is_torch_s_and_the_next_is_the
     (hdo, params), (reference, ref_params) = fused_and_reference(torch.optim.AdamW)
     generator = torch.Generator().manual_seed(11)
     missing = in_place_indices(hdo, params)[1]
-    for step in range(4):
-        give_grads(generator, params, ref_params)
-        if step == 2:
-            params[missing].grad = ref_params[missing].grad = None
+    for step in steps_with_a_gradient_missing(generator, params, ref_params, missing):
         walks.clear()
         hdo.step()
         reference.step()
