@@ -40,10 +40,11 @@ HDO_TESTS=(
     tests/unit_tests/test_optimizer_cpu_offloading.py tests/unit_tests/test_hybrid_optimizer_*.py
 )
 # Tests written for fixes (HDO ring and pinning, decoupled gradients, lazy build, bucketing,
-# step counts across in-place optimizers).
+# step counts across in-place optimizers, a client's reset of the group steps).
 FIX_TESTS="bit_for_bit or ring or slots or slot_stages or decoupled or pins_no_more or first_use"
 FIX_TESTS="$FIX_TESTS or replace or bucketed or small"
 FIX_TESTS="$FIX_TESTS or steps_resume or any_step_count or crosses_twice or never_stepped_counts"
+FIX_TESTS="$FIX_TESTS or slime_reset or restarted_count or written_with_the_reset"
 
 # Runs one pytest selection; keeps the whole log and prints the outcome lines.
 run_pytest() {
@@ -69,7 +70,8 @@ for check in "$@"; do
         upstream-off)
             MEGATRON_OPTIMIZER_FORK=0 run_pytest upstream-off \
                 tests/unit_tests/test_optimizer_cpu_offloading.py \
-                tests/unit_tests/test_hybrid_optimizer_step_counts.py -k "$FIX_TESTS"
+                tests/unit_tests/test_hybrid_optimizer_step_counts.py \
+                tests/unit_tests/test_hybrid_optimizer_client_resets.py -k "$FIX_TESTS"
             ;;
         resume-w1) run_resume resume-w1 "w1 and not fused_adam and not precision_aware" ;;
         resume-w2)

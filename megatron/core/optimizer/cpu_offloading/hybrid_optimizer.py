@@ -182,6 +182,16 @@ def _widened_block(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
     return torch.cat(grads).to(torch.float32)
 
 
+def _same_count(step: Any, other: Any) -> bool:
+    """Whether two group step counts are one count: the same object, or equal numbers (a
+    tensor count is only ever the same object, since clients reset those in place)."""
+    if step is other:
+        return True
+    if isinstance(step, torch.Tensor) or isinstance(other, torch.Tensor):
+        return False
+    return step == other
+
+
 def _recorded(event: Optional[Any], stream) -> Any:
     """``event`` (made here the first time) recorded on ``stream``: a step records the same
     events again rather than making and freeing one per copy."""
@@ -286,6 +296,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # from them (None outside a step, or where the caller's current device is another).
         self._step_stream = None
         self._state_changes = StateChanges()
+        # Each public group's step as last handed to or taken from the sub-groups.
+        self._group_steps_in_sync: List[Any] = []
         self.state = StateMap(self._entry_of)
         self._load_guard = checks.LoadGuard(type(self).__name__)
         self._register_load_state_dict_hooks()
@@ -390,6 +402,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             delattr(self, name)
         self.state.clear()
         self.param_groups = []
+        self._group_steps_in_sync = []
         # torch fills a new group's missing keys from ``defaults``; the groups carry only the
         # sub-optimizers' hyperparameters, never the HDO's own options.
         defaults, self.defaults = self.defaults, dict(self.sub_optimizer_kwargs)
@@ -1050,13 +1063,37 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             step = sub_group.get("step")
             if step is not None and step is not before:
                 self.param_groups[index]["step"] = step
+        self._note_group_steps()
 
     # ------------------------------------------------------------------ state sync
 
+    def _note_group_steps(self):
+        """Remember each public group's step as the sub-groups have it now, so that the next
+        sync can tell a step a client wrote into the public group from one mirrored there."""
+        self._group_steps_in_sync = [group.get("step") for group in self.param_groups]
+
+    def _group_steps_written_outside(self) -> Dict[int, Any]:
+        """Public group index -> the step a client wrote there since the last sync."""
+        noted = self._group_steps_in_sync
+        written = {}
+        for index, group in enumerate(self.param_groups):
+            if "step" not in group:
+                continue
+            before = noted[index] if index < len(noted) else None
+            if not _same_count(group["step"], before):
+                written[index] = group["step"]
+        return written
+
     def _sync_hdo_param_groups_to_sub_optimizers(self):
-        """Push the public groups' hyperparameters (lr, weight decay, ...) to the sub-groups."""
+        """Push the public groups' hyperparameters (lr, weight decay, ...) to the sub-groups,
+        and a step a client wrote into a public group (slime's reset of the optimizer states
+        sets it to 0) to the sub-groups that count steps in their group, which step next."""
+        written = self._group_steps_written_outside()
         for sub_group, index in self._sub_groups:
             sub_group.update(_hyperparameters(self.param_groups[index]))
+            if index in written and "step" in sub_group:
+                sub_group["step"] = written[index]
+        self._note_group_steps()
 
     def _hand_back_group_steps(self):
         """Give the public groups' loaded steps to the sub-groups: a group loaded without one
@@ -1066,6 +1103,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 sub_group["step"] = self.param_groups[index]["step"]
             else:
                 sub_group.pop("step", None)
+        self._note_group_steps()
 
     def _list_created_state(self):
         """Show in ``self.state`` the entries that got state since the last look (the
