@@ -43,16 +43,20 @@ from resume_harness.hdo_report import plot, report  # noqa: E402
 from resume_harness.main_job import distributed_check, verdict  # noqa: E402
 
 
-def run_in_own_process(name, device):
+def run_in_own_process(name, device, log_path):
     """Run one implementation in a fresh interpreter, so that neither sees the other's
-    allocator caches, and return its figures."""
+    allocator caches, and return its figures. What the interpreter writes to stderr (among it
+    megatron-core's warnings about missing Transformer Engine and Apex) goes to ``log_path``
+    rather than between the progress lines."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "result.json")
         command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:]]
         command += ["--device", device, "--implementation", name, "--result-file", path]
-        finished = subprocess.run(command, check=False)
+        with open(log_path, "w", encoding="utf-8") as log:
+            finished = subprocess.run(command, stderr=log, check=False)
         if finished.returncode != 0 or not os.path.exists(path):
-            return {"error": f"the {name} run exited with {finished.returncode}", "name": name}
+            error = f"the {name} run exited with {finished.returncode} (log: {log_path})"
+            return {"error": error, "name": name}
         with open(path, encoding="utf-8") as result:
             return json.load(result)
 
@@ -62,6 +66,8 @@ outputs (in --out):
   resume_check_<device>_<optimizer>_<fraction>.json   both implementations' figures, written
                                                       before the plot
   resume_check_<device>_<optimizer>_<fraction>.png    memory over the phases (needs matplotlib)
+  resume_check_<device>_<optimizer>_<fraction>_<implementation>.log
+                                                      each implementation's stderr (warnings)
   resume_check_distributed_<...>.json, logs_fork/, logs_upstream/
                                                       the DDP + DistributedOptimizer part (CUDA)
 
@@ -148,13 +154,14 @@ def main(argv=None):
         with open(args.result_file, "w", encoding="utf-8") as out:
             json.dump(result, out)
         return 0
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"{device}_{args.gpu_optimizer}_{args.offload_fraction}"
     results = {}
     for index, name in enumerate(CLASSES, 1):
         progress(f"{index}/{len(CLASSES)}: {name}: train, checkpoint, resume on {device}")
-        results[name] = run_in_own_process(name, device)
+        log_path = os.path.join(args.out, f"resume_check_{tag}_{name.split()[0]}.log")
+        results[name] = run_in_own_process(name, device, log_path)
     report(results, device, args)
-    os.makedirs(args.out, exist_ok=True)
-    tag = f"{device}_{args.gpu_optimizer}_{args.offload_fraction}"
     json_path = os.path.join(args.out, f"resume_check_{tag}.json")
     with open(json_path, "w", encoding="utf-8") as out:
         json.dump({"device": device, "args": vars(args), "results": results}, out, indent=1)
