@@ -1,6 +1,6 @@
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 # pylint: disable=bad-builtin
-"""The README's step table from ``hdo_step.py``'s JSON files, upstream beside the fork.
+"""docs/benchmarks.md's step table from ``hdo_step.py``'s JSON files, upstream beside the fork.
 
 One markdown row per case, fraction and overlap setting in each file (a row without overlap
 says so in its run cell): upstream's step with its min-max and pinned MiB, the floor and the
