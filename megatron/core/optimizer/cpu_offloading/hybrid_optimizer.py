@@ -33,6 +33,10 @@ from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
+from megatron.core.optimizer.cpu_offloading.host_step_threads import (
+    host_step_threads,
+    threads_for_host_step,
+)
 
 # Some only re-export the planning helpers here, where tests and tools look for them.
 # pylint: disable-next=unused-import
@@ -102,7 +106,7 @@ _HDO_OPTIONS = (
 # and the calling thread's work per bucket (queueing its copies: ~0.1-0.2 ms each way) stays
 # small beside it, while the pipeline's ends (the first download, the last upload) stay short.
 # On an H200 host 64 MiB stepped gpt, moe and stress at 0.5 faster than 16 or 32 MiB, and gpt
-# at 1.0 faster than 16 or 4 MiB (see docs/measurements.md). A power of two, since the host
+# at 1.0 faster than 16 or 4 MiB (see docs/benchmarks.md). A power of two, since the host
 # allocator pins blocks of powers of two: a full bucket's block and slot waste nothing, where a
 # bucket just past the cap would hold twice its bytes.
 _HOST_BUCKET_BYTES = 64 << 20
@@ -251,8 +255,13 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     # and move the copies larger than the cap in parts of it (or of host_part_bytes if
     # smaller). It changes nothing from 512 MiB offloaded up; below that (a data-parallel
     # rank's shards) the pipeline's ends shorten and a smaller ring leaves more copies pinned
-    # (docs/measurements.md: the step at --dp 8).
+    # (docs/benchmarks.md: the step at --dp 8).
     size_host_buckets = True
+
+    # Intra-op threads of the host part of step(): None shares this process's cores among the
+    # ranks on the host (LOCAL_WORLD_SIZE) unless MEGATRON_HDO_HOST_STEP_THREADS says otherwise,
+    # a number sets it, 0 leaves the caller's count (see host_step_threads).
+    host_step_threads = None
 
     def __init__(
         self,
@@ -751,6 +760,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             closure (Callable, optional): re-evaluates the model and returns the loss.
         """
         self._load_guard.check("step")
+        # Read before anything changes, so that a bad override fails the step cleanly.
+        threads = host_step_threads(self.host_step_threads)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -767,14 +778,16 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # download of the bucket that reuses the slot is queued (behind the upload, on the D2H
         # stream, where a pageable copy goes up through the slot).
         try:
-            self._step_stream = self._side_streams_follow_current()
-            for index in self._ring_plan.first_downloads:
-                self._download(index)
-            # While the first downloads run; on the calling thread, since on a worker its Python
-            # and the host steps' would wait for each other's GIL (see docs/measurements.md).
-            self._step_in_place_whole()
-            for bucket in self._buckets:
-                self._after_host_step(bucket, self._step_host_bucket(bucket))
+            with threads_for_host_step(threads):
+                self._step_stream = self._side_streams_follow_current()
+                for index in self._ring_plan.first_downloads:
+                    self._download(index)
+                # While the first downloads run; on the calling thread, since on a worker its
+                # Python and the host steps' would wait for each other's GIL (see
+                # docs/benchmarks.md).
+                self._step_in_place_whole()
+                for bucket in self._buckets:
+                    self._after_host_step(bucket, self._step_host_bucket(bucket))
         finally:
             for param in lent:
                 param.grad = None
