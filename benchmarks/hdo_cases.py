@@ -82,7 +82,8 @@ def rank_shards(numels: List[int], dp: int, rank: int = 0) -> List[int]:
     return shards
 
 
-def case_numels(name: str, dp: int = 1, scale: float = 1.0, **dense) -> List[int]:
-    """The shard sizes rank 0's HDO steps in case ``name``, each scaled by ``scale``."""
+def case_numels(name: str, dp: int = 1, scale: float = 1.0, rank: int = 0, **dense) -> List[int]:
+    """The shard sizes data-parallel ``rank``'s HDO steps in case ``name``, each scaled by
+    ``scale``."""
     numels = CASES[name](**dense) if name == "dense32" else CASES[name]()
-    return [max(1, round(n * scale)) for n in rank_shards(numels, dp)]
+    return [max(1, round(n * scale)) for n in rank_shards(numels, dp, rank)]

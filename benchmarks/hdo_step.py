@@ -436,12 +436,18 @@ def parameters_and_gradients(args, device):
     are the same in both layouts (the gradients are drawn in bf16 and widened), so the
     parameters after the steps are too.
     """
+    return shard_tensors(sizes(args), args.grads, device)
+
+
+def shard_tensors(numels, layout, device):
+    """Parameters of ``numels`` elements and their gradients in gradient ``layout`` (a
+    ``--grads`` choice), as :func:`parameters_and_gradients` describes them."""
     generator = value_generator(device)
     values, grads = [], []
-    for numel in sizes(args):
+    for numel in numels:
         values.append(random_values(numel, generator, device).to(torch.bfloat16))
         grads.append(random_values(numel, generator, device).mul_(1e-2).to(torch.bfloat16))
-    if args.grads == "model":
+    if layout == "model":
         return [torch.nn.Parameter(value) for value in values], grads
     # The buffers hold the parameters back to front, as megatron-core's DDP lays them out.
     numels = [value.numel() for value in reversed(values)]
@@ -460,18 +466,15 @@ def defining_file(hdo_class):
     return None
 
 
-def time_hdo(hdo_class, args, device, fraction, overlap):
-    """Median step time of one HDO, the pinned memory it needs, a digest of its parameters.
-
-    Run in a process of its own (see ``run_worker``), so that the pinned memory the process
-    holds is this optimizer's alone.
-    """
-    params, grads = parameters_and_gradients(args, device)
-    optimizer = hdo_class(
+def build_hdo(hdo_class, params, fraction, overlap, in_place):
+    """An HDO of ``hdo_class`` over ``params`` as Megatron's factory builds it for
+    ``optimizer_cpu_offload``: fp32 master copies, torch's fused AdamW on the host, the
+    ``in_place`` choice of ``--in-place`` for the rest."""
+    return hdo_class(
         [{"params": params}],
         offload_fraction=fraction,
         cpu_optimizer_cls=torch.optim.AdamW,
-        gpu_optimizer_cls=in_place_class(args.in_place),
+        gpu_optimizer_cls=in_place_class(in_place),
         param_update_in_fp32=True,
         overlap_cpu_optimizer_d2h_h2d=overlap,
         lr=1e-4,
@@ -481,6 +484,23 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         fused=True,
     )
 
+
+def params_digest(params) -> str:
+    """sha256 of the 16-bit parameters' bits, to tell identical results apart from others."""
+    digest = hashlib.sha256()
+    for param in params:
+        digest.update(param.detach().cpu().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def time_hdo(hdo_class, args, device, fraction, overlap):
+    """Median step time of one HDO, the pinned memory it needs, a digest of its parameters.
+
+    Run in a process of its own (see ``run_worker``), so that the pinned memory the process
+    holds is this optimizer's alone.
+    """
+    params, grads = parameters_and_gradients(args, device)
+    optimizer = build_hdo(hdo_class, params, fraction, overlap, args.in_place)
     attribute = GRADIENT_ATTRIBUTES[args.grads]
 
     def hand_out_grads():
@@ -499,9 +519,6 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         block=max(args.paired, 1),
     )
     del adam
-    digest = hashlib.sha256()
-    for param in params:
-        digest.update(param.detach().cpu().view(torch.int16).numpy().tobytes())
     result = {
         "step": times["median"],
         "step_min": times["min"],
@@ -510,7 +527,7 @@ def time_hdo(hdo_class, args, device, fraction, overlap):
         "gc": times["gc"],
         "pinned_held": pinned_bytes_held(),
         "pinned_live": pinned_bytes_in_use(),
-        "digest": digest.hexdigest(),
+        "digest": params_digest(params),
         "module": defining_file(hdo_class),
         "host_optimizers": len(optimizer.cpu_optimizers),
         "paired": [list(pair) for pair in zip(times["times"], times["beside"])],
