@@ -174,6 +174,12 @@ def _checkpointed_tensors(entry: Any, expected: Tuple[str, ...], numel: int, whe
     return tensors
 
 
+def _holds_tensors(description: Any) -> bool:
+    """Whether a sharded description holds tensors (or factories) that a read fills."""
+    sharded, _ = extract_sharded_tensors_and_factories({'param_state': description})
+    return any(True for _ in nested_values(sharded))
+
+
 def _loaded_entry(state_dict: Any, index: int) -> Any:
     """Entry ``index`` of a loaded model-space param state, None when it is absent."""
     if not isinstance(state_dict, Mapping):
@@ -324,9 +330,6 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             # The load writes into the optimizer's own tensors, which must exist by then.
             self._init_optimizer_states_with_dummy_values()
             checks.warm_up_nonfinite_scan(self._loaded_state_tensors())
-            # The reader fills those tensors before load_state_dict can check anything: if
-            # that load then refuses the checkpoint, the state is already partly its.
-            self._load_request_outstanding = True
             common_state = self._common_state_dict()
         else:
             common_state = self.state_dict()
@@ -345,6 +348,12 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             }
 
         param_state = fmt.describe(self, model_sharded_state_dict, is_loading, metadata)
+        if is_loading:
+            # The reader fills the tensors of the request in place, before load_state_dict can
+            # check anything: if that load then refuses the checkpoint, the state is already
+            # partly its. A request without tensors (dp_zero_gather_scatter's one object) is
+            # read into new memory, so a refusal then leaves the state as it was.
+            self._load_request_outstanding = _holds_tensors(param_state)
         if fmt.gathers:
             # The gathers leave large temporaries behind, and training may run with GC off.
             gc.collect()
