@@ -17,6 +17,9 @@
 #   resume-w1    checkpoint resume matrix, world size 1, all directions (tools/distopt_resume.py)
 #   resume-w2    the same on two GPUs, fork->fork and upstream->fork
 #   resume-te    the TE FusedAdam and precision-aware cases, on the visible GPUs
+#   resume-w4    the multi-rank matrix (tests/unit_tests/test_distrib_optimizer_multirank.py)
+#                with NCCL on 4 GPUs: worlds of 2 and 4 ranks, resharding between them, faults
+#   resume-w8    the same on 8 GPUs, worlds of 8 ranks included
 #   bench        HDO step time against its floor, overlap on and off (benchmarks/hdo_step.py)
 #   load-memory  GPU memory and time of each load phase, upstream beside the fork
 #                (benchmarks/load_memory.py; its TE rows need Transformer Engine)
@@ -79,6 +82,10 @@ for check in "$@"; do
                 "w2 and not fused_adam and not precision_aware and (fork2fork or upstream2fork)"
             ;;
         resume-te) run_resume resume-te "fused_adam or precision_aware" ;;
+        resume-w4 | resume-w8)
+            MULTIRANK_DEVICE=cuda MULTIRANK_FULL=1 MULTIRANK_MAX_WORLD="${check#resume-w}" \
+                run_pytest "$check" tests/unit_tests/test_distrib_optimizer_multirank.py
+            ;;
         bench)
             # shellcheck disable=SC2086
             timeout "$TIMEOUT" "$PYTHON" benchmarks/hdo_step.py --out "$OUT_DIR" ${BENCH_ARGS:-} \
