@@ -70,7 +70,8 @@ class WorldSpec:
         return f"{self.implementation}-dp{self.data_parallel}{tail}"
 
 
-def _free_port():
+def free_port():
+    """A free TCP port on localhost, for a world's rendezvous."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -112,7 +113,7 @@ def run_world(spec, root):
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     context = torch.multiprocessing.start_processes(
         _rank_main, args=(spec, str(root), port), nprocs=spec.size, join=False, start_method="spawn"
     )

@@ -247,3 +247,83 @@ def test_slime_reset_through_the_distributed_optimizer(
     assert any(
         not torch.equal(a, b) for a, b in zip(slime_model.parameters(), kept_model.parameters())
     )
+
+
+# ------------------------------------------------------------------ the same on CPU ranks
+
+WORLD_SIZE = 2
+CPU_CASES = [(0.5, False), (0.5, True), (1.0, False), (1.0, True)]
+
+
+def cpu_batches(count, seed, hidden):
+    """``count`` bf16 batches drawn from ``seed``: the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, hidden, generator=generator).to(torch.bfloat16) for _ in range(count)]
+
+
+def reset_flow_mismatches(fraction, precision_aware):
+    """Run the reset flow on this rank of a world; return what differs (empty: nothing)."""
+    hidden = 64
+    runs = {name: build(fraction, 0, precision_aware, hidden) for name in "sdk"}
+    for model, optimizer in runs.values():
+        train(model, optimizer, cpu_batches(STEPS_BEFORE, 1, hidden))
+    for member in runs["s"][1].chained_optimizers:
+        reset_as_slime_does(member.optimizer)
+    for hdo in hdos_of(runs["d"][1]):
+        reset_sub_optimizers(hdo)
+    for model, optimizer in runs.values():
+        train(model, optimizer, cpu_batches(STEPS_AFTER, 2, hidden))
+    (slime_model, slime), (direct_model, direct), (kept_model, _) = runs.values()
+    problems = []
+    pairs = zip(slime_model.parameters(), direct_model.parameters())
+    if not all(torch.equal(a, b) for a, b in pairs):
+        problems.append("model parameters differ from the direct reset's")
+    for mine, theirs in zip(hdos_of(slime), hdos_of(direct)):
+        for a, b in zip(mine.state.values(), theirs.state.values()):
+            if any(torch.is_tensor(v) and not torch.equal(v, b[k]) for k, v in a.items()):
+                problems.append("optimizer state differs from the direct reset's")
+                break
+        counts = group_counted_steps(mine)
+        if mine.gpu_optimizer is not None and set(counts) != {STEPS_AFTER}:
+            problems.append(f"group counts {counts}, expected {STEPS_AFTER}")
+    pairs = zip(slime_model.parameters(), kept_model.parameters())
+    if all(torch.equal(a, b) for a, b in pairs):
+        problems.append("the reset changed nothing")
+    return problems
+
+
+def reset_flow_rank(rank, port, folder):
+    """One spawned gloo rank: every case of :data:`CPU_CASES`, its problems to a file."""
+    # pylint: disable=import-outside-toplevel
+    import json
+
+    import megatron.core.optimizer as factory
+    from resume_harness.cpu_world import World, quiet
+
+    quiet()
+    world = World(rank, WORLD_SIZE, port)
+    factory.Adam = GroupStepAdamW  # what the factory builds the in-place optimizer from
+    if hasattr(inner_optimizer_state, "GROUP_STEP_CLASSES"):
+        identity = (GroupStepAdamW.__module__, GroupStepAdamW.__qualname__)
+        inner_optimizer_state.GROUP_STEP_CLASSES |= {identity}
+    found = {f"{f}-{p}": reset_flow_mismatches(f, p) for f, p in CPU_CASES}
+    world.close()
+    with open(f"{folder}/rank{rank}.json", "w", encoding="utf-8") as out:
+        json.dump(found, out)
+
+
+@pytest.mark.multirank
+def test_slime_reset_through_the_distributed_optimizer_on_cpu_ranks(tmp_path):
+    """Megatron's factory (DDP, DistributedOptimizer, HDO with the double in place) on two
+    gloo ranks, fractions 0.5 and 1.0, precision-aware off and on."""
+    # pylint: disable=import-outside-toplevel
+    import json
+
+    from resume_harness.multirank import free_port
+
+    torch.multiprocessing.start_processes(
+        reset_flow_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn"
+    )
+    for rank in range(WORLD_SIZE):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text(encoding="utf-8"))
+        assert found == {f"{f}-{p}": [] for f, p in CPU_CASES}, f"rank {rank}: {found}"
