@@ -47,19 +47,6 @@ PLAN = worlds(FULL, DEVICE, MAX_WORLD)
 # reason). Upstream's are what megatron-core 0.19.2 raises on these hosts.
 KNOWN_FAILURES = (
     (
-        "fork",
-        ("-fault-write-",),
-        "a write that fails on one rank marks that rank only; the other ranks go on stepping "
-        "and saving (no agreement after the write)",
-    ),
-    (
-        "fork",
-        ("-fault-truncated-legacy", "-fault-nonfinite-legacy"),
-        "legacy: optimizer.load_state_dict commits the saved steps before "
-        "load_parameter_state reads the file; a refused file leaves the new steps beside the "
-        "old moments, and nothing marks the optimizer",
-    ),
-    (
         "upstream",
         ("-off0.5-", "-off1-", "-fault-"),
         "its HybridDeviceOptimizer cannot step on a CPU-only host (KeyError in "

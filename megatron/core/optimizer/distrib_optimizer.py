@@ -44,7 +44,7 @@ from megatron.core.optimizer import distrib_optimizer_ranges as ranges
 from megatron.core.optimizer import fork_info, fused_adam_state_load, inner_optimizer_state
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-from megatron.core.optimizer.distrib_optimizer_formats import format_named
+from megatron.core.optimizer.distrib_optimizer_formats import FORMATS, format_named
 from megatron.core.optimizer.distrib_optimizer_param_state import (
     DistributedOptimizerParameterStateMixin,
 )
@@ -470,7 +470,6 @@ class DistributedOptimizer(
         fork_info.announce(type(self))
         # Set while a load is writing and left set when it fails there (state_load_checks).
         self._load_guard = checks.LoadGuard(type(self).__name__)
-        self._planned_param_state = None
         # Set by a dist-checkpoint load request, whose reader writes into the live state.
         self._load_request_outstanding = False
         # A rank whose sub-models are all frozen still takes part, with no inner optimizer.
@@ -687,61 +686,84 @@ class DistributedOptimizer(
             self._load_state_dict_megatron_fsdp(state_dict)
             return
 
-        # Plan: the parameter state, the groups and the step counters are checked before
-        # anything changes, and every data-parallel rank agrees that its share can load.
+        # The parameter state is written by the load itself (the plan made below, not checked
+        # again) unless a subclass or a client replaced the format's public loader.
+        scaffolds = not self.optimizer.state and not self.inner_state.builds_own_state
         try:
-            problem = None
-            try:
-                write_param_state = self._plan_param_state_load(state_dict)
-                saved_groups = state_dict["optimizer"]["param_groups"]
-                inner_groups = self.inner_state.saved_param_groups()
-                groups = self._pair_saved_param_groups(saved_groups, inner_groups)
-                steps = {group["step"] for group in groups if group.get("step") is not None}
-                for step in steps:
-                    checks.step_value(step, "the checkpoint's param groups")
-                if len(steps) > 1 and self.inner_state.counts_steps_per_param():
-                    raise ValueError(
-                        f"the checkpoint's param groups disagree on the step: {sorted(steps)}"
-                    )
-            except Exception as error:  # pylint: disable=broad-exception-caught
-                problem = error
-            self._agree_on_plan(problem)
-        except Exception:
-            if self._load_request_outstanding:
-                # A dist-checkpoint read already wrote into the state it handed out.
-                self._load_guard.pending(
-                    "a distributed-checkpoint read wrote into the optimizer state, then "
-                    "load_state_dict refused the checkpoint"
+            wrote_param_state = self._plan_agree_write(
+                "load_state_dict",
+                lambda: self._plan_state_dict_load(state_dict),
+                on_refusal=self._refuse_after_a_load_request,
+            )
+        finally:
+            self._load_request_outstanding = False
+        if not wrote_param_state:
+            # Values come with the parameter state (load_parameter_state, Megatron-LM's next
+            # call): until then the state is the scaffold's garbage, or this run's moments
+            # beside the checkpoint's steps.
+            done = (
+                "created the optimizer state without values"
+                if scaffolds
+                else "loaded the checkpoint's param groups and steps over this run's state"
+            )
+            self._load_guard.pending(
+                f"load_state_dict {done}, and the parameter state (load_parameter_state, or a "
+                "state dict with param_state) is not loaded yet"
+            )
+
+    def _refuse_after_a_load_request(self) -> None:
+        """A refused ``load_state_dict`` after a dist-checkpoint read that filled the live state
+        in place: the state is partly the refused checkpoint's."""
+        if self._load_request_outstanding:
+            self._load_guard.pending(
+                "a distributed-checkpoint read wrote into the optimizer state, then "
+                "load_state_dict refused the checkpoint"
+            )
+
+    def _plan_state_dict_load(self, state_dict) -> Callable[[], bool]:
+        """Check the parameter state, the groups and the step counters of ``state_dict``,
+        changing nothing; return the writer, which says whether it wrote parameter state."""
+        try:
+            write_param_state = self._plan_param_state_load(state_dict)
+            saved_groups = state_dict["optimizer"]["param_groups"]
+            inner_groups = self.inner_state.saved_param_groups()
+            groups = self._pair_saved_param_groups(saved_groups, inner_groups)
+            steps = {group["step"] for group in groups if group.get("step") is not None}
+            for step in steps:
+                checks.step_value(step, "the checkpoint's param groups")
+            if len(steps) > 1 and self.inner_state.counts_steps_per_param():
+                raise ValueError(
+                    f"the checkpoint's param groups disagree on the step: {sorted(steps)}"
                 )
-            raise
         finally:
             checks.finish_scan_warm_up()  # started by the load request, scan or not
-        self._load_request_outstanding = False
 
-        scaffolds = not self.optimizer.state and not self.inner_state.builds_own_state
-        with self._load_guard.writing("load_state_dict"):
+        def write() -> bool:
             self._load_param_groups_and_state(groups, inner_groups, steps)
             self._load_grad_scaler_state(state_dict)
-            if write_param_state is not None:
-                sharding_type = state_dict["param_state_sharding_type"]
-                log_single_rank(
-                    logger,
-                    logging.INFO,
-                    f"Loading distributed optimizer sharded state of type {sharding_type}",
-                )
-                # Through the format's public loader, which clients may wrap; it writes the
-                # plan made above instead of checking the state again.
-                self._planned_param_state = (state_dict["param_state"], write_param_state)
-                try:
-                    format_named(sharding_type).load(self, state_dict["param_state"])
-                finally:
-                    self._planned_param_state = None
-        if scaffolds and write_param_state is None:
-            # The state exists but holds no values yet: stepping on it would train on garbage.
-            self._load_guard.pending(
-                "load_state_dict created the optimizer state without values, and the parameter "
-                "state (load_parameter_state, or a state dict with param_state) is not loaded yet"
+            if write_param_state is None:
+                return False
+            sharding_type = state_dict["param_state_sharding_type"]
+            log_single_rank(
+                logger,
+                logging.INFO,
+                f"Loading distributed optimizer sharded state of type {sharding_type}",
             )
+            fmt = format_named(sharding_type)
+            if self._loads_its_own_way(fmt):
+                fmt.load(self, state_dict["param_state"])  # plans and writes again, nested
+            else:
+                write_param_state()
+            return True
+
+        return write
+
+    def _loads_its_own_way(self, fmt) -> bool:
+        """Whether this optimizer's public loader of ``fmt`` is not the one defined here (a
+        subclass overrides it, or a client patched the class or wrapped the instance's): then
+        the load goes through it, as upstream's ``load_state_dict`` does."""
+        loader = getattr(self, fmt.loader)
+        return getattr(loader, "__func__", None) is not _OWN_LOADERS[fmt.loader]
 
     def _load_param_groups_and_state(self, groups, inner_groups, steps) -> None:
         """Write the loaded groups and create (or keep) the inner optimizer's state."""
@@ -1452,3 +1474,10 @@ class DistributedOptimizer(
         if timers is not None:
             timers("params-all-gather").stop()
         return succeeded
+
+
+# The public loaders as defined here, before any client patches the class: a load writes its
+# own plan through these, and goes through any other.
+_OWN_LOADERS = {
+    fmt.loader: getattr(DistributedOptimizer, fmt.loader) for fmt in FORMATS.values() if fmt.loader
+}

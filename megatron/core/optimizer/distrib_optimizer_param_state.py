@@ -24,7 +24,7 @@ The methods live in :class:`DistributedOptimizerParameterStateMixin`, which
 layouts, so files move freely between the fork and upstream.
 """
 
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,8 +55,18 @@ _PORTABLE_ERRORS = {
 }
 
 
+_REFUSED = "refused its share of the checkpoint, so no rank loads it"
+_FAILED_WRITING = (
+    "failed while writing its share of the checkpoint, so the state is partly the "
+    "checkpoint's on every rank"
+)
+
+
 def _raise_if_any_rank_fails(
-    problem: Optional[BaseException], group: torch.distributed.ProcessGroup, device: torch.device
+    problem: Optional[BaseException],
+    group: torch.distributed.ProcessGroup,
+    device: torch.device,
+    failed: str = _REFUSED,
 ) -> None:
     """Raise on every rank of ``group`` when any rank's plan failed.
 
@@ -75,12 +85,12 @@ def _raise_if_any_rank_fails(
                 gather(verdicts, verdict, group=group)
         else:
             gather(verdicts, verdict, group=group)
-        failed = [(rank, found) for rank, found in enumerate(verdicts) if found is not None]
-        if problem is None and failed:
-            rank, (name, text) = failed[0]
+        failures = [(rank, found) for rank, found in enumerate(verdicts) if found is not None]
+        if problem is None and failures:
+            rank, (name, text) = failures[0]
             raise _PORTABLE_ERRORS.get(name, RuntimeError)(
-                f"data-parallel rank {rank} refused its share of the checkpoint, so no rank "
-                f"loads it ({len(failed)} of {group.size()} ranks failed): {name}: {text}"
+                f"data-parallel rank {rank} {failed} ({len(failures)} of {group.size()} ranks "
+                f"failed): {name}: {text}"
             )
     if problem is not None:
         raise problem
@@ -169,35 +179,69 @@ class PlannedParamStateLoadMixin:
         """Raise, writing nothing, if ``tensors`` cannot be written for ``model_param`` (the
         host class checks what its inner optimizer takes; nothing is checked here)."""
 
-    def _agree_on_plan(self, problem: Optional[BaseException]) -> None:
+    def _agree_on_plan(self, problem: Optional[BaseException], failed: str = _REFUSED) -> None:
         """Raise ``problem`` here and a failure on every other data-parallel rank if any rank
-        failed to plan (outside ``torch.distributed`` only ``problem`` is raised)."""
+        has one (outside ``torch.distributed`` only ``problem`` is raised); ``failed`` says
+        what the failing rank did, for the others' message."""
         group = getattr(self, "data_parallel_group", None)
         if isinstance(group, torch.distributed.ProcessGroup) and torch.distributed.is_initialized():
-            _raise_if_any_rank_fails(problem, *self._param_state_group())
+            _raise_if_any_rank_fails(problem, *self._param_state_group(), failed)
         elif problem is not None:
             raise problem
 
-    def _load_planned(self, what: str, state_dict, plan: Callable) -> None:
-        """Plan a parameter-state load (every data-parallel rank agreeing that its share can
-        load), then write it; a failure in the writes leaves the optimizer marked
-        (``state_load_checks.LoadGuard``).
+    def _plan_agree_write(
+        self,
+        what: str,
+        plan: Callable[[], Callable[[], Any]],
+        on_refusal: Optional[Callable[[], None]] = None,
+    ) -> Any:
+        """The pipeline every load of the optimizer's state runs; returns what the writer does.
 
-        ``load_state_dict`` plans before it changes anything and hands its plan over in
-        ``_planned_param_state``; it is used when it was made for this very ``state_dict``.
+        1. Plan: ``plan()`` checks the loaded state against this optimizer, changing nothing,
+           and returns the writer of what it checked.
+        2. Agree: every data-parallel rank learns whether any rank's plan failed; then every
+           rank raises (after ``on_refusal``), and no rank has written anything.
+        3. Write: the writer runs under the load guard, which marks the optimizer unusable
+           where it fails.
+        4. Finish: the ranks agree that each wrote its share. A failure on one rank marks every
+           rank, so that none steps or saves a state that is partly the checkpoint's.
+
+        A pipeline that runs inside another's writes (a client's wrapper of a public loader,
+        called by ``load_state_dict``) leaves the last agreement to the outer one.
+
+        Args:
+            what: the load, as its messages name it.
+            plan: step 1; it raises where the state cannot load.
+            on_refusal: what to do when a rank refused, before raising.
         """
-        planned = getattr(self, "_planned_param_state", None)
-        if planned is not None and planned[0] is state_dict:
-            write = planned[1]
-        else:
-            problem = write = None
-            try:
-                write = plan(state_dict)
-            except Exception as error:  # pylint: disable=broad-exception-caught
-                problem = error
+        problem = write = None
+        try:
+            write = plan()
+        except Exception as error:  # pylint: disable=broad-exception-caught
+            problem = error
+        try:
             self._agree_on_plan(problem)
-        with self._load_guard.writing(what):
-            write()
+        except Exception:
+            if on_refusal is not None:
+                on_refusal()
+            raise
+        outermost = not self._load_guard.busy
+        failure = written = None
+        try:
+            with self._load_guard.writing(what):
+                written = write()
+        except Exception as error:  # pylint: disable=broad-exception-caught
+            failure = error
+        if outermost:
+            try:
+                self._agree_on_plan(failure, _FAILED_WRITING)
+            except Exception as error:
+                if failure is None:
+                    self._load_guard.pending(f"{what} failed on another data-parallel rank")
+                raise error
+        if failure is not None:
+            raise failure
+        return written
 
 
 class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
@@ -304,10 +348,9 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
                 under another data-parallel layout.
             KeyError: an expected buffer, bucket or state tensor is missing.
         """
-        self._load_planned(
+        self._plan_agree_write(
             "load_parameter_state_from_dp_reshardable",
-            state_dict,
-            self._plan_dp_reshardable_param_state,
+            lambda: self._plan_dp_reshardable_param_state(state_dict),
         )
 
     def _plan_dp_reshardable_param_state(self, state_dict) -> Callable[[], None]:
@@ -548,7 +591,7 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
                 message = f"{filename}: {error.args[0] if error.args else ''}"
                 raise type(error)(message) from error
 
-        self._load_planned("load_parameter_state", state_dict, plan)
+        self._plan_agree_write("load_parameter_state", lambda: plan(state_dict))
 
     def load_parameter_state_from_dp_zero(self, state_dict, *, update_legacy_format=False):
         """Scatter a ``dp_zero`` state held by data-parallel rank 0 into every rank's shards.
@@ -566,10 +609,9 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
             ValueError: the state belongs to another model (sizes differ).
             KeyError: a buffer, dtype entry or state tensor is missing.
         """
-        self._load_planned(
+        self._plan_agree_write(
             "load_parameter_state_from_dp_zero",
-            state_dict,
-            lambda state: self._plan_dp_zero_param_state(state, update_legacy_format),
+            lambda: self._plan_dp_zero_param_state(state_dict, update_legacy_format),
         )
 
     def load_parameter_state_from_dp_zero_legacy(self, state_dict):
@@ -579,10 +621,9 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
         cut at the old bucket boundaries; they are re-cut at this run's boundaries
         (:meth:`_update_legacy_world_tensors`), which needs the same total size.
         """
-        self._load_planned(
+        self._plan_agree_write(
             "load_parameter_state_from_dp_zero_legacy",
-            state_dict,
-            lambda state: self._plan_dp_zero_param_state(state, True),
+            lambda: self._plan_dp_zero_param_state(state_dict, True),
         )
 
     @classmethod

@@ -497,8 +497,8 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         """Megatron-FSDP: the wrapped optimizer loads the state dict itself, once every rank
         has checked its share against the optimizer's groups and parameters (counts, state
         keys, shapes, steps, non-finite values) and nothing has changed before."""
-        problem = None
-        try:
+
+        def plan():
             if "param_to_group_meta" in state_dict:
                 state_dict["param_groups"] = self._param2group_meta_to_param_groups(
                     state_dict.pop("param_to_group_meta"), self.optimizer.param_groups
@@ -509,10 +509,9 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
                 f"{type(self).__name__}.load_state_dict (Megatron-FSDP)",
                 live_keys={k for entry in self.optimizer.state.values() for k in entry},
             )
-        except Exception as error:  # pylint: disable=broad-exception-caught
-            problem = error
-        self._agree_on_plan(problem)
-        self.optimizer.load_state_dict(state_dict)
+            return lambda: self.optimizer.load_state_dict(state_dict)
+
+        self._plan_agree_write("load_state_dict (Megatron-FSDP)", plan)
 
     # ------------------------------------------------------------------------------------
     # dp_zero_gather_scatter (deprecated)
@@ -734,10 +733,9 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         Args:
             state_dict: the loaded ``param_state``: parameter index -> whole state tensors.
         """
-        self._load_planned(
+        self._plan_agree_write(
             "load_parameter_state_from_fully_reshardable",
-            state_dict,
-            self._plan_fully_reshardable_param_state,
+            lambda: self._plan_fully_reshardable_param_state(state_dict),
         )
 
     # ------------------------------------------------------------------------------------
@@ -938,8 +936,7 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
         Args:
             state_dict: the loaded ``param_state``: index -> ``{"fp32_param", <state key>...}``.
         """
-        self._load_planned(
+        self._plan_agree_write(
             "load_parameter_state_from_fs_model_space",
-            state_dict,
-            self._plan_fs_model_space_param_state,
+            lambda: self._plan_fs_model_space_param_state(state_dict),
         )

@@ -69,8 +69,6 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Stored dtypes whose values FusedAdam keeps without a scale factor.
 _UNSCALED_DTYPES = (torch.float32, torch.bfloat16, torch.int16)
 
-_LAYER_WISE_CLASS_NAME = "LayerWiseDistributedOptimizer"
-
 
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
@@ -101,21 +99,6 @@ def fused_adam_classes() -> Tuple[type, ...]:
     except (ImportError, OSError, RuntimeError):
         return ()
     return (FusedAdam,)
-
-
-def is_layer_wise_optimizer(optimizer: Any) -> bool:
-    """Tells whether ``optimizer`` is megatron-core's LayerWiseDistributedOptimizer.
-
-    The class is recognised by name anywhere in the object's class hierarchy, so that this
-    module does not import the layer-wise module (nor its dependencies) to find out.
-
-    Args:
-        optimizer: Any object.
-
-    Returns:
-        bool: True for LayerWiseDistributedOptimizer and its subclasses.
-    """
-    return any(cls.__name__ == _LAYER_WISE_CLASS_NAME for cls in type(optimizer).__mro__)
 
 
 def plan_fused_adam_load(
@@ -229,59 +212,6 @@ def load_fused_adam_state_dict(
     if replaced and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
     return plan
-
-
-def load_chained_fused_adam_state_dicts(
-    chained_optimizer: Any, state_dicts: Any, **flags: bool
-) -> Optional[List[LoadPlan]]:
-    """Applies :func:`load_fused_adam_state_dict` to each member of a chained optimizer.
-
-    Each member (for example the dense and the expert optimizer) is loaded on its own, through
-    its inner ``.optimizer``, with its own state dict. A member whose earlier load succeeded
-    stays loaded when a later member's load raises; the failing member itself is restored.
-
-    Args:
-        chained_optimizer: An object with ``chained_optimizers`` (such as megatron-core's
-            ChainedOptimizer) whose members have an inner ``.optimizer``.
-        state_dicts: One inner state dict per member, as a sequence in member order or as a
-            mapping whose sorted keys give member order.
-        **flags: Keyword flags for :func:`load_fused_adam_state_dict`; ``is_stub`` is also set
-            for members that say they are stubs (``is_stub_optimizer``).
-
-    Returns:
-        list[LoadPlan] | None: One plan per member, or None for a LayerWiseDistributedOptimizer,
-        which is left alone (nothing is loaded).
-
-    Raises:
-        ValueError: The number of state dicts differs from the number of members (raised
-            before anything changes).
-    """
-    if is_layer_wise_optimizer(chained_optimizer):
-        if _is_rank_zero():
-            logger.info("FusedAdam state load: LayerWiseDistributedOptimizer left alone")
-        return None
-    members = list(chained_optimizer.chained_optimizers)
-    if isinstance(state_dicts, Mapping):
-        ordered = [state_dicts[key] for key in sorted(state_dicts)]
-    else:
-        ordered = list(state_dicts)
-    if len(ordered) != len(members):
-        raise ValueError(
-            f"got {len(ordered)} state dicts for a chained optimizer of {len(members)} members"
-        )
-
-    plans = []
-    for member, member_state_dict in zip(members, ordered):
-        inner = getattr(member, "optimizer", None)
-        if inner is None:
-            plans.append(LoadPlan(FALLBACK, "stub optimizer without an inner optimizer: skipped"))
-            continue
-        member_flags = dict(flags)
-        member_flags["is_stub"] = bool(
-            flags.get("is_stub", False) or getattr(member, "is_stub_optimizer", False)
-        )
-        plans.append(load_fused_adam_state_dict(inner, member_state_dict, **member_flags))
-    return plans
 
 
 def _caller_fallback_reason(is_hybrid: bool, is_fsdp: bool, is_stub: bool) -> Optional[str]:

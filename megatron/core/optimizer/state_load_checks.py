@@ -336,6 +336,11 @@ class LoadGuard:
         self.failure: Optional[str] = None
         self._depth = 0
 
+    @property
+    def busy(self) -> bool:
+        """Whether a load's writes are running (and enclose the caller)."""
+        return self._depth > 0
+
     @contextlib.contextmanager
     def writing(self, what: str):
         """Run the writes of a load: a failure inside leaves the mark; the success of the
