@@ -26,7 +26,7 @@ optimizer does. ``state[p]`` is the very dict the sub-optimizer steps for the in
 thing.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Type, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 from torch._utils import _unflatten_dense_tensors
@@ -38,10 +38,8 @@ from megatron.core.optimizer import state_load_checks as checks
 # pylint: disable-next=unused-import
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
     _Bucket,
-    _nbytes,
     _on_stream,
     _RingPlan,
-    _typed_view,
     _widened,
     pack_host_copies,
     pinned_block_bytes,
@@ -50,15 +48,18 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
     slot_sizes,
     upstream_pinned_bytes,
 )
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
-    _MOMENTS,
-    PLAIN_TENSORS,
-    FlatInPlaceStep,
-)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import FlatInPlaceStep
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_fused_list import (
+    FUSED_TORCH_CLASSES,
     FusedListStep,
-    in_place_step,
+)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
+    MOMENT_NAMES,
+    PLAIN_TENSORS,
+    FusedStep,
+    tensor_nbytes,
+    typed_view,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
@@ -189,6 +190,15 @@ def _recorded(event: Optional[Any], stream) -> Any:
         event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def in_place_step(optimizer: torch.optim.Optimizer) -> FusedStep:
+    """The step that spares ``optimizer`` its walk over the parameters: over runs for TE's
+    FusedAdam (:class:`FlatInPlaceStep`), by its kernel for torch's own fused Adam and AdamW
+    (:class:`FusedListStep`)."""
+    if type(optimizer) in FUSED_TORCH_CLASSES:
+        return FusedListStep(optimizer)
+    return FlatInPlaceStep(optimizer)
 
 
 def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -517,7 +527,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return _HOST_BUCKET_BYTES
         offloaded = self.cpu_copys_map_gpu_param
         staged = sum(
-            _nbytes(host)
+            tensor_nbytes(host)
             for group in self.cpu_param_groups
             for host in group["params"]
             if host in offloaded
@@ -615,7 +625,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
                 bucket.views = [slot[: bucket.nbytes].view(bucket.hosts[0].dtype)]
                 continue
             for host, _, offset in bucket.grads:
-                self.cpu_copy_map_grad[host] = _typed_view(slot, offset, host)
+                self.cpu_copy_map_grad[host] = typed_view(slot, offset, host)
             bucket.views = [self.cpu_copy_map_grad[host] for host in bucket.hosts]
         pinned_blocks = set(plan.blocks_to_pin)
         for index, bucket in enumerate(self._buckets):
@@ -640,8 +650,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             ]
             down, up = self._device_staging
             for bucket in on_cuda:
-                bucket.down = [_typed_view(down, offset, host) for host, _, offset in bucket.grads]
-                bucket.up = [_typed_view(up, offset, host) for host, _, offset in bucket.grads]
+                bucket.down = [typed_view(down, offset, host) for host, _, offset in bucket.grads]
+                bucket.up = [typed_view(up, offset, host) for host, _, offset in bucket.grads]
 
     def _pack(self, bucket: _Bucket, pin: bool):
         """Lay the bucket's host copies out as one block; step it flat where it can be."""
@@ -661,7 +671,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             bucket.flat = FlatAdamStep(
                 bucket.optimizer,
                 [self._entries_by_inner[host] for host in bucket.hosts],
-                [(offset, _nbytes(host)) for host, _, offset in bucket.grads],
+                [(offset, tensor_nbytes(host)) for host, _, offset in bucket.grads],
                 bucket.master,
                 self._ring[bucket.slot],
             )
@@ -705,11 +715,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             bucket, end = [], 0
             for param in params:
                 offset = staged_offset(end)
-                if bucket and (bucket_bytes <= 0 or offset + _nbytes(param) > bucket_bytes):
+                if bucket and (bucket_bytes <= 0 or offset + tensor_nbytes(param) > bucket_bytes):
                     optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
                     bucket, offset = [], 0
                 bucket.append(param)
-                end = offset + _nbytes(param)
+                end = offset + tensor_nbytes(param)
             if bucket:
                 optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
         return optimizers
@@ -791,7 +801,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         same = torch.cuda.current_device() == device.index and self._h2d_stream.device == device
         return current if same else None
 
-    def _flat_in_place_step(self) -> Optional[Union[FlatInPlaceStep, FusedListStep]]:
+    def _flat_in_place_step(self) -> Optional[FusedStep]:
         """The step that spares the in-place sub-optimizer of the moment its walk over the
         parameters (see :func:`in_place_step`), if it is on."""
         optimizer = self.gpu_optimizer
@@ -1287,7 +1297,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         coming = []
         for param, values in planned.items():
             inner = self.param_to_inner_param[param]
-            moments = [values.get(key) for key in _MOMENTS]
+            moments = [values.get(key) for key in MOMENT_NAMES]
             if all(isinstance(m, torch.Tensor) and m.device != inner.device for m in moments):
                 coming.append(inner)
         return coming

@@ -15,14 +15,10 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-def _typed_view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``raw`` from ``offset`` on, seen as a tensor of ``like``'s dtype and shape."""
-    return raw[offset : offset + _nbytes(like)].view(like.dtype).view(like.shape)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
+    tensor_nbytes,
+    typed_view,
+)
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -50,9 +46,9 @@ def upstream_pinned_bytes(
     total = 0
     for host, param in copies:
         if pin_grads:
-            total += size(_nbytes(host))
+            total += size(tensor_nbytes(host))
         if host.dtype == param.dtype:
-            total += size(_nbytes(param))
+            total += size(tensor_nbytes(param))
     return total
 
 
@@ -224,7 +220,7 @@ def pack_host_copies(bucket: "_Bucket", pin: bool) -> None:
     that it uploads in one copy; their values and tensor objects stay."""
     block = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=pin)
     for host, _, offset in bucket.grads:
-        view = _typed_view(block, offset, host)
+        view = typed_view(block, offset, host)
         view.copy_(host)
         host.data = view
     bucket.master = block

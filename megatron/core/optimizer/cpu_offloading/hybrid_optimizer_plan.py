@@ -15,12 +15,12 @@ import torch
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
     _Bucket,
-    _nbytes,
     pinned_block_bytes,
     plan_pinned_host_memory,
     slot_sizes,
     upstream_pinned_bytes,
 )
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import tensor_nbytes
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import can_part, part_ranges
 
 # Each staged gradient starts at a multiple of this many bytes (vector loads stay aligned).
@@ -104,7 +104,7 @@ def lay_out_buckets(
                 if param is not None:
                     offset = staged_offset(end)
                     grads.append((host, param, offset))
-                    end = offset + _nbytes(host)
+                    end = offset + tensor_nbytes(host)
         buckets.extend(_buckets_of(optimizer, grads, end, part_bytes))
     return buckets
 
@@ -141,7 +141,7 @@ def pinnable_units(buckets: Sequence[_Bucket]) -> List[Tuple[Any, int]]:
         if bucket.packed and crossing:
             units.append((index, bucket.nbytes))
         elif bucket.part is None or bucket.part[0] == 0:
-            units.extend((host, _nbytes(host)) for host in crossing)
+            units.extend((host, tensor_nbytes(host)) for host in crossing)
     return units
 
 
