@@ -29,48 +29,43 @@ thing.
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
-from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
-
-# Some only re-export the planning helpers here, where tests and tools look for them.
-# pylint: disable-next=unused-import
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
-    _Bucket,
-    _on_stream,
-    _RingPlan,
-    _widened,
-    pack_host_copies,
-    pinned_block_bytes,
-    plan_pinned_host_memory,
-    sized_bucket_bytes,
-    slot_sizes,
-    upstream_pinned_bytes,
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import (
+    HostBucket,
+    share_parted_steps,
 )
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import FlatInPlaceStep
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_fused_list import (
-    FUSED_TORCH_CLASSES,
-    FusedListStep,
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_in_place import (
+    fp32_clones,
+    in_place_step,
+    widened,
+    widened_block,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
     MOMENT_NAMES,
-    PLAIN_TENSORS,
     FusedStep,
+    grad_of,
     tensor_nbytes,
-    typed_view,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
-    PartedCopy,
     copy_part_bytes,
 )
+
+# The planning helpers are re-exported here, where tests and tools look for them.
+# pylint: disable-next=unused-import
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan import (
     HostPlan,
+    pinned_block_bytes,
     plan_host,
+    plan_pinned_host_memory,
+    sized_bucket_bytes,
+    slot_sizes,
     staged_offset,
+    upstream_pinned_bytes,
 )
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_ring import Ring, RingPlan
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     MASTER,
     ParamState,
@@ -140,8 +135,6 @@ _BUILT_ON_FIRST_USE = frozenset(
         "cpu_copy_map_grad",
         "_buckets",
         "_ring",
-        "_ring_plan",
-        "_device_staging",
         "_entries",
         "_entries_by_inner",
     }
@@ -151,60 +144,6 @@ _BUILT_ON_FIRST_USE = frozenset(
 def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
     """The entries of a param group that a sub-optimizer should follow."""
     return {k: v for k, v in group.items() if k not in ("params", "step") + _HDO_OPTIONS}
-
-
-def _fp32_clones(params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
-    """fp32 copies of ``params`` and the block they lie in: back to back in the order of
-    ``params`` where they share a device (else no block), so that the in-place step can take
-    runs of them as one tensor, with their gradients widened into one buffer laid out alike
-    (see :mod:`hybrid_optimizer_flat_in_place`)."""
-    plain = all(type(p) in PLAIN_TENSORS for p in params)
-    if not params or not plain or len({p.device for p in params}) != 1:
-        # A DTensor's clone must stay a DTensor: no block.
-        return [p.detach().to(torch.float32, copy=True) for p in params], None
-    block = torch.empty(
-        sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
-    )
-    clones = _unflatten_dense_tensors(block, params)
-    torch._foreach_copy_(clones, [p.detach() for p in params])  # pylint: disable=protected-access
-    return list(clones), block
-
-
-def _widened_block(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``grads`` back to back in one fp32 buffer, by one concatenation (no view per gradient);
-    None where they differ in dtype or device or are not plain tensors. fp32 gradients (the
-    precision-aware optimizer's) are concatenated straight into it; 16-bit ones are concatenated,
-    then widened, which holds their 16-bit concatenation beside it for a moment."""
-    kinds = {(type(grad), grad.dtype, grad.device) for grad in grads}
-    if len(kinds) != 1 or type(grads[0]) not in PLAIN_TENSORS:
-        return None
-    if any(grad.dim() != 1 for grad in grads):
-        grads = [grad.reshape(-1) for grad in grads]
-    return torch.cat(grads).to(torch.float32)
-
-
-def _recorded(event: Optional[Any], stream) -> Any:
-    """``event`` (made here the first time) recorded on ``stream``: a step records the same
-    events again rather than making and freeing one per copy."""
-    if event is None:
-        event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def in_place_step(optimizer: torch.optim.Optimizer) -> FusedStep:
-    """The step that spares ``optimizer`` its walk over the parameters: over runs for TE's
-    FusedAdam (:class:`FlatInPlaceStep`), by its kernel for torch's own fused Adam and AdamW
-    (:class:`FusedListStep`)."""
-    if type(optimizer) in FUSED_TORCH_CLASSES:
-        return FusedListStep(optimizer)
-    return FlatInPlaceStep(optimizer)
-
-
-def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """The gradient Megatron left for ``param`` (precision-aware mode uses ``decoupled_grad``)."""
-    grad = getattr(param, "decoupled_grad", None)
-    return param.grad if grad is None else grad
 
 
 class HybridDeviceOptimizer(torch.optim.Optimizer):
@@ -288,13 +227,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._d2h_stream, self._h2d_stream = self._make_streams()
         # D2H event of each host sub-optimizer whose gradients are on their way (in a step).
         self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
-        # H2D event of each ring slot that a pageable copy is going up through (in a step).
-        self._slot_uploads: Dict[int, Any] = {}
-        # The event each ring slot records its staged uploads with, made once.
-        self._slot_upload_events: Dict[int, Any] = {}
-        # The stream current on the side streams' device when the step began, to come back to
-        # from them (None outside a step, or where the caller's current device is another).
-        self._step_stream = None
         self._state_changes = StateChanges()
         self.state = StateMap(self._entry_of)
         self._load_guard = checks.LoadGuard(type(self).__name__)
@@ -436,7 +368,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if on_host:
                 offloaded += param.numel()
             placement.append((param, widen, on_host))
-        clones, self._clone_block = _fp32_clones(
+        clones, self._clone_block = fp32_clones(
             [p for p, widen, on_host in placement if widen and not on_host]
         )
         clones = iter(clones)
@@ -554,7 +486,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
 
     def _plan_grad_ring(self):
-        """Take the host plan's buckets and ring; allocate nothing yet.
+        """Take the host plan's buckets and make the ring; allocate nothing yet.
 
         Buckets are stepped in the sub-optimizers' order (a copy in parts as its run of parts).
         The k-th bucket with offloaded parameters packs its gradients into ring slot
@@ -566,20 +498,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for the same parameters, both counted in the power-of-two blocks the host allocator
         holds (see :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not
         as a whole. The copies left pageable go up through their bucket's slot (see
-        ``_upload``).
+        :meth:`HostBucket.stage_upload`).
         """
         plan = self._host_plan
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
-        self._device_staging: List[torch.Tensor] = []
-        self._buckets: List[_Bucket] = plan.buckets
-        self._share_parted_steps()
+        self._buckets: List[HostBucket] = plan.buckets
+        share_parted_steps(self._buckets, self._entries_by_inner.__getitem__)
         staged, slots = plan.staged, plan.slots
         for k, index in enumerate(staged):
             self._buckets[index].slot = k % slots
             if k + slots < len(staged):
                 self._buckets[index].follower = staged[k + slots]
         chosen = [unit for (unit, _), pin in zip(plan.units, plan.pinned) if pin]
-        self._ring_plan = _RingPlan(
+        ring_plan = RingPlan(
             slots,
             plan.ring_bytes,
             plan.pin_slots,
@@ -587,20 +518,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             [unit for unit in chosen if isinstance(unit, torch.Tensor)],
             [unit for unit in chosen if not isinstance(unit, torch.Tensor)],
         )
-        self._ring: List[torch.Tensor] = []
-
-    def _share_parted_steps(self):
-        """Give each run of parts of one host copy the step its parts share."""
-        runs: Dict[Any, List[_Bucket]] = {}
-        for bucket in self._buckets:
-            if bucket.part is not None:
-                runs.setdefault(bucket.optimizer, []).append(bucket)
-        for optimizer, parts in runs.items():
-            entry = self._entries_by_inner[parts[0].hosts[0]]
-            parted = PartedCopy(optimizer, entry, [bucket.part for bucket in parts])
-            parted.buckets = parts
-            for bucket in parts:
-                bucket.parted = parted
+        self._ring = Ring(
+            self._d2h_stream, self._h2d_stream, self._cpu_optimizer_map_data_event, ring_plan
+        )
 
     def _part_bytes(self, cap: int) -> int:
         """The size of the parts a large host copy moves in (0: whole) with buckets of at most
@@ -612,79 +532,26 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _allocate_ring(self):
         """On the first step: allocate the slots, view each gradient into its slot, pin copies,
         gather each packed bucket's copies into one block, make the device staging buffers."""
-        plan = self._ring_plan
-        if self._ring or not plan.slots:
+        ring = self._ring
+        if not ring.allocate_slots():
             return
-        self._ring = [
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
-            for nbytes in plan.slot_bytes
-        ]
         for bucket in self._buckets:
-            slot = self._ring[bucket.slot] if bucket.grads else None
-            if bucket.part is not None:  # a part's gradient is a slice: it has no whole view
-                bucket.views = [slot[: bucket.nbytes].view(bucket.hosts[0].dtype)]
-                continue
-            for host, _, offset in bucket.grads:
-                self.cpu_copy_map_grad[host] = typed_view(slot, offset, host)
-            bucket.views = [self.cpu_copy_map_grad[host] for host in bucket.hosts]
-        pinned_blocks = set(plan.blocks_to_pin)
+            bucket.take_slot(ring, self.cpu_copy_map_grad)
+        entry_of, flat_steps = self._entries_by_inner.__getitem__, self.flat_host_steps
+        pinned_blocks = set(ring.plan.blocks_to_pin)
         for index, bucket in enumerate(self._buckets):
-            if bucket.packed:
-                self._pack(bucket, index in pinned_blocks)
-        for host in plan.masters_to_pin:
+            bucket.pack(ring, index in pinned_blocks, flat_steps, entry_of)
+        for host in ring.plan.masters_to_pin:
             # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
             host.data = host.pin_memory()
-        for bucket in self._buckets:  # the copies are where they stay: note it
-            if not bucket.packed and bucket.grads and bucket.part is None:
-                self._make_flat(bucket)
-            if bucket.grads:
-                self._note_layout(bucket)
-        on_cuda = [b for b in self._buckets if b.packed and b.params[0].is_cuda]
-        if on_cuda:
-            # Two buffers of the largest packed bucket: gradients gather in one (on the D2H
-            # stream), stepped blocks land in the other (on the H2D stream); each stream
-            # reuses its own buffer in order, so one of each serves every bucket.
-            nbytes, device = max(b.nbytes for b in on_cuda), on_cuda[0].params[0].device
-            self._device_staging = [
-                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)
-            ]
-            down, up = self._device_staging
-            for bucket in on_cuda:
-                bucket.down = [typed_view(down, offset, host) for host, _, offset in bucket.grads]
-                bucket.up = [typed_view(up, offset, host) for host, _, offset in bucket.grads]
-
-    def _pack(self, bucket: _Bucket, pin: bool):
-        """Lay the bucket's host copies out as one block; step it flat where it can be."""
-        pack_host_copies(bucket, pin)
-        self._make_flat(bucket)
-
-    def _make_flat(self, bucket: _Bucket):
-        """Give the bucket its one-call step (``FlatAdamStep``) where its sub-optimizer is
-        torch's fused Adam or AdamW over its copies: a packed bucket over its block, a bucket
-        of one copy over the copy itself (a kernel call instead of the optimizer's Python)."""
-        bucket.flat = None
-        if bucket.master is None and (
-            len(bucket.hosts) != 1 or not bucket.hosts[0].is_contiguous()
-        ):
-            return  # neither packed nor one dense copy
-        if self.flat_host_steps and suits(bucket.optimizer, bucket.hosts):
-            bucket.flat = FlatAdamStep(
-                bucket.optimizer,
-                [self._entries_by_inner[host] for host in bucket.hosts],
-                [(offset, tensor_nbytes(host)) for host, _, offset in bucket.grads],
-                bucket.master,
-                self._ring[bucket.slot],
-            )
-
-    @staticmethod
-    def _note_layout(bucket: _Bucket):
-        """Note where the bucket's copies live and whether their memory is pinned, so that an
-        upload need not ask the driver; ``_download`` notices a copy re-pointed since."""
-        bucket.master_ptrs = [host.data_ptr() for host in bucket.hosts]
-        if bucket.master is not None:
-            bucket.pinned = [bucket.master.is_pinned()] * len(bucket.hosts)
-        else:
-            bucket.pinned = [host.is_pinned() for host in bucket.hosts]
+        for bucket in self._buckets:  # the copies are where they stay
+            bucket.settle_layout(ring, flat_steps, entry_of)
+        on_device = [bucket for bucket in self._buckets if bucket.stages_on_device()]
+        if on_device:
+            nbytes = max(bucket.nbytes for bucket in on_device)
+            ring.allocate_device_staging(nbytes, on_device[0].params[0].device)
+            for bucket in on_device:
+                bucket.take_device_staging(ring)
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
@@ -763,43 +630,23 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # once its host step has returned and its upload is queued, so that is when the
         # download of the bucket that reuses the slot is queued (behind the upload, on the D2H
         # stream, where a pageable copy goes up through the slot).
+        ring = self._ring
         try:
-            self._step_stream = self._side_streams_follow_current()
-            for index in self._ring_plan.first_downloads:
+            ring.begin_step()
+            for index in ring.plan.first_downloads:
                 self._download(index)
             # While the first downloads run; on the calling thread, since on a worker its Python
             # and the host steps' would wait for each other's GIL (see docs/measurements.md).
             self._step_in_place_whole()
             for bucket in self._buckets:
-                self._after_host_step(bucket, self._step_host_bucket(bucket))
+                self._after_host_step(bucket, bucket.step(ring))
         finally:
             for param in lent:
                 param.grad = None
-            if self._h2d_stream is not None:
-                # Uploads read the host copies until they finish; waiting here, even after a
-                # failed step, means nothing on the host (a checkpoint load, the next step) can
-                # write a copy still being read.
-                self._h2d_stream.synchronize()
-            self._slot_uploads.clear()
-            self._step_stream = None
+            ring.end_step()
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
-
-    def _side_streams_follow_current(self):
-        """Make the copy streams wait for the stream current on their device, whose gradients
-        and parameters they move, whichever device is current. Returns that stream, for the
-        copies to switch back to, where it is also the current device's; else None."""
-        if self._d2h_stream is None:
-            return None
-        device = self._d2h_stream.device
-        current = torch.cuda.current_stream(device)
-        for stream in (self._d2h_stream, self._h2d_stream):
-            stream.wait_stream(current)
-        # Switching streams also makes their device current; coming back to ``current`` would
-        # then leave the caller on another device than it was.
-        same = torch.cuda.current_device() == device.index and self._h2d_stream.device == device
-        return current if same else None
 
     def _flat_in_place_step(self) -> Optional[FusedStep]:
         """The step that spares the in-place sub-optimizer of the moment its walk over the
@@ -834,53 +681,26 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         stepped = sum(len(group["params"]) for group in flat.optimizer.param_groups)
         if stepped != len(self._clones_in_place):
             return False
-        grads = [_grad_of(param) for param, _ in self._clones_in_place]
+        grads = [grad_of(param) for param, _ in self._clones_in_place]
         if any(grad is None for grad in grads):
             return False
-        widened = _widened_block(grads)
+        widened = widened_block(grads)
         if widened is None or widened.numel() != block.numel():
             return False  # a gradient of another size: the offsets would not match
         return flat.step(grads=(widened, block.data_ptr()))
 
-    def _step_host_bucket(self, bucket: _Bucket) -> List[_Bucket]:
-        """Step one host bucket once its gradients have landed: flat where it can be.
-
-        Returns:
-            The buckets that may go up now: this one, or for a part of a copy those its step
-            released (a copy whose parts are gathered goes up once its last part has landed).
-        """
-        event = self._cpu_optimizer_map_data_event.pop(bucket.event_key, None)
-        if event is not None:
-            event.synchronize()
-        if bucket.parted is not None:
-            return self._step_part(bucket)
-        if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
-            bucket.optimizer.step()
-            if bucket.flat is not None:
-                bucket.flat.lay_out()  # so that the next step can be flat
-        return [bucket]
-
-    def _after_host_step(self, bucket: _Bucket, ready: List[_Bucket]) -> None:
+    def _after_host_step(self, bucket: HostBucket, ready: List[HostBucket]) -> None:
         """Queue the uploads of the buckets just stepped (``ready``) and the download that
         reuses the bucket's slot, after the bucket's own upload, which its pageable copies
         make through the slot; the other parts of a gathered copy go up from their memory."""
+        ring = self._ring
         if any(stepped is bucket for stepped in ready):
-            self._queue_upload(bucket, *self._stage_upload(bucket, staged_in_slot=True))
+            bucket.queue_upload(ring, *bucket.stage_upload(ring, staged_in_slot=True))
         if bucket.follower is not None:
             self._download(bucket.follower)
         for stepped in ready:
             if stepped is not bucket:
-                self._queue_upload(stepped, *self._stage_upload(stepped, staged_in_slot=False))
-
-    def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
-        """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""
-        if bucket.keep is not None:  # no gradient this step: no part is stepped
-            return []
-        parted = bucket.parted
-        index = parted.ranges.index(bucket.part)
-        if index == 0:
-            parted.begin()
-        return [parted.buckets[i] for i in parted.step_part(index, bucket.views[0])]
+                stepped.queue_upload(ring, *stepped.stage_upload(ring, staged_in_slot=False))
 
     def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
         """Give the inner tensors stepped in place their gradients for this step.
@@ -900,8 +720,8 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         """Give each fp32 clone stepped in place its parameter's gradient, widened."""
         if self._clones_in_place:
             clones = [clone for _, clone in self._clones_in_place]
-            grads = [_grad_of(param) for param, _ in self._clones_in_place]
-            for clone, grad in zip(clones, _widened(grads)):
+            grads = [grad_of(param) for param, _ in self._clones_in_place]
+            for clone, grad in zip(clones, widened(grads)):
                 clone.grad = grad
 
     def _lend_decoupled_grads(self) -> List[torch.Tensor]:
@@ -941,118 +761,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
 
     def _download(self, index: int):
         """Queue the D2H of bucket ``index``'s gradients into its slot and note its event in
-        ``_cpu_optimizer_map_data_event`` (where CUDA exists).
-
-        Each host copy keeps its slot view as its gradient, or None while its parameter has
-        none (its step is then skipped). A packed bucket's gradients are gathered and widened
-        into the device staging buffer and come down in one copy.
-        """
-        bucket = self._buckets[index]
-        if bucket.master_ptrs and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
-            # A copy was re-pointed (its ``.data`` replaced): its block or step views old memory.
-            if bucket.master is not None:
-                self._pack(bucket, bucket.pinned[0])
-            elif bucket.part is None:
-                self._make_flat(bucket)
-            self._note_layout(bucket)
-        grads = [_grad_of(param) for param in bucket.params]
-        bucket.keep = None
-        if any(grad is None for grad in grads):
-            bucket.keep = [i for i, grad in enumerate(grads) if grad is not None]
-        for host, view, grad in zip(bucket.hosts, bucket.views, grads):
-            lent = None if grad is None else view
-            if bucket.part is None and host.grad is not lent:  # a part lends no whole view
-                host.grad = lent
-        grads = bucket.kept(grads)
-        with _on_stream(self._d2h_stream, self._step_stream):
-            staged_upload = self._slot_uploads.pop(bucket.slot, None)
-            if staged_upload is not None:  # the slot still holds a copy on its way up
-                self._d2h_stream.wait_event(staged_upload)
-            if bucket.part is not None:  # a strided gradient is made dense here, on this stream
-                grads = [bucket.sliced(grad.contiguous()) for grad in grads]
-            if bucket.down and grads:
-                torch._foreach_copy_(bucket.kept(bucket.down), grads)  # widens on the device
-                raw = self._device_staging[0][: bucket.nbytes]
-                self._ring[bucket.slot][: bucket.nbytes].copy_(
-                    raw, non_blocking=self._ring_plan.pin_slots
-                )
-            elif bucket.packed and grads:
-                torch._foreach_copy_(bucket.kept(bucket.views), grads)
-            else:
-                for staged, grad in zip(bucket.kept(bucket.views), grads):
-                    if grad.is_cuda and grad.dtype != staged.dtype:
-                        grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
-                    staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
-            if self._d2h_stream is not None:
-                bucket.landed = _recorded(bucket.landed, self._d2h_stream)
-                self._cpu_optimizer_map_data_event[bucket.event_key] = bucket.landed
-
-    def _stage_upload(self, bucket: _Bucket, staged_in_slot: bool) -> Tuple[list, bool]:
-        """Get the bucket's host copies just stepped ready to go up: where its slot is its
-        own now (``staged_in_slot``: its gradients are stepped), pageable copies are copied
-        into it on the host, since an upload from pageable memory blocks the host until it is
-        done, holding up the next host step, while a host copy into the pinned slot is faster
-        and lets the upload run behind it.
-
-        Returns:
-            What each upload reads (the block of a packed bucket; else each stepped copy, in
-            the bucket's order), and whether any of it is in the slot.
-        """
-        if not bucket.kept(bucket.params):
-            return [], False
-        stage = staged_in_slot and self._ring_plan.pin_slots
-        if bucket.master is not None:
-            if stage and not bucket.pinned[0]:
-                return [self._ring[bucket.slot][: bucket.nbytes].copy_(bucket.master)], True
-            return [bucket.master], False
-        sources, staged = [], False
-        for host, slot_view, pinned in zip(
-            bucket.kept(bucket.hosts), bucket.kept(bucket.views), bucket.kept(bucket.pinned)
-        ):
-            host = bucket.sliced(host)
-            if stage and not pinned:
-                host = slot_view.copy_(host)
-                staged = True
-            sources.append(host)
-        return sources, staged
-
-    def _queue_upload(self, bucket: _Bucket, sources: list, staged: bool):
-        """Queue the H2D of the bucket's stepped host copies, staged by :meth:`_stage_upload`
-        (``sources``, ``staged``), into their parameters.
-
-        A packed bucket goes up as one block into the device staging buffer and is narrowed
-        from there into its parameters by one multi-tensor copy. Where a copy went up through
-        the bucket's slot, the download that reuses the slot waits for the upload
-        (``_slot_uploads``).
-        """
-        params = bucket.kept(bucket.params)
-        if not params:
-            return
-        with _on_stream(self._h2d_stream, self._step_stream):
-            if bucket.master is not None:
-                if bucket.up:
-                    self._device_staging[1][: bucket.nbytes].copy_(sources[0], non_blocking=True)
-                    torch._foreach_copy_(params, bucket.kept(bucket.up))  # narrows on the device
-                else:
-                    torch._foreach_copy_(params, bucket.kept(bucket.hosts))
-            else:
-                for param, source in zip(params, sources):
-                    param = bucket.sliced(param.data)
-                    if param.is_cuda and source.dtype != param.dtype:
-                        # Narrow on the device. The staging tensor is allocated on this stream,
-                        # so the caching allocator hands its memory out again only in this
-                        # stream's order, after the narrowing copy has read it.
-                        narrowed = torch.empty_like(source, device=param.device)
-                        source = narrowed.copy_(source, non_blocking=True)
-                    param.copy_(source.view_as(param), non_blocking=param.is_cuda)
-            self._note_slot_upload(bucket, staged)
-
-    def _note_slot_upload(self, bucket: _Bucket, staged: bool):
-        """Where a copy went up through the bucket's slot, keep the upload's event for the
-        download that reuses the slot (``_download`` waits for it on the D2H stream)."""
-        if staged and bucket.follower is not None:
-            event = _recorded(self._slot_upload_events.get(bucket.slot), self._h2d_stream)
-            self._slot_upload_events[bucket.slot] = self._slot_uploads[bucket.slot] = event
+        ``_cpu_optimizer_map_data_event`` (where CUDA exists); see
+        :meth:`HostBucket.download`."""
+        self._buckets[index].download(self._ring)
 
     def _mirror_group_steps(self, steps_before: List[Any]):
         """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""

@@ -69,6 +69,12 @@ def typed_view(raw: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tens
     return raw[offset : offset + tensor_nbytes(like)].view(like.dtype).view(like.shape)
 
 
+def grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient Megatron left for ``param`` (precision-aware mode uses ``decoupled_grad``)."""
+    grad = getattr(param, "decoupled_grad", None)
+    return param.grad if grad is None else grad
+
+
 def fused_kernel_settings(group) -> Optional[dict]:
     """The arguments of torch's fused Adam kernel for ``group`` (``decoupled`` tells AdamW's
     from Adam's), or None where its step is not that one call: not fused, amsgrad, a learning
