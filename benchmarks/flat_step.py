@@ -47,7 +47,8 @@ def host_steps(optimizer, flat: bool):
     """The callable that steps every host bucket once, as the HDO's step would."""
     buckets = optimizer._buckets  # pylint: disable=protected-access
     if flat:
-        flat_steps = [bucket.flat for bucket in buckets if bucket.flat is not None]
+        flat_steps = [getattr(bucket, "flat", None) for bucket in buckets]
+        flat_steps = [flat_step for flat_step in flat_steps if flat_step is not None]
         assert len(flat_steps) == len(buckets), "a bucket is not stepped flat"
 
         def step():
@@ -55,7 +56,7 @@ def host_steps(optimizer, flat: bool):
                 assert flat_step.step(), "a flat step fell back"
 
     else:
-        assert all(bucket.flat is None for bucket in buckets)
+        assert all(getattr(bucket, "flat", None) is None for bucket in buckets)
         optimizers = [bucket.optimizer for bucket in buckets]
 
         def step():

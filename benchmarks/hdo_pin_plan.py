@@ -25,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # hdo_cases, as hdo_st
 from hdo_cases import CASES, case_numels  # noqa: E402
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as hdo  # noqa: E402
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (  # noqa: E402
+    tensor_nbytes,
+)
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan import plan_host  # noqa: E402
 
 
@@ -52,7 +55,7 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
     caps = [(fixed, part_bytes)]
     if sized:
         cap = hdo.sized_bucket_bytes(
-            sum(map(hdo._nbytes, copies)), fixed, least=hdo._LEAST_SIZED_BUCKET_BYTES
+            sum(map(tensor_nbytes, copies)), fixed, least=hdo._LEAST_SIZED_BUCKET_BYTES
         )
         caps = [(each, hdo.copy_part_bytes(part_bytes, each)) for each in sorted({cap, fixed})]
     host_plan = plan_host(

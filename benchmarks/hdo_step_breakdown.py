@@ -25,11 +25,15 @@ PARTS = {
     # step: wrapping that would hide the optimizer from the HDO's flat in-place step.
     "_step_in_place_whole": "in-place step",
     "_download": "download queueing",
-    # Copies of pageable host copies into their slots, on the host.
-    "_stage_upload": "upload staging",
-    "_queue_upload": "upload queueing",
 }
 """The HDO's methods timed, and the name each is reported under."""
+
+BUCKET_PARTS = {
+    # Copies of pageable host copies into their slots, on the host.
+    "stage_upload": "upload staging",
+    "queue_upload": "upload queueing",
+}
+"""The host buckets' methods timed, and the name each is reported under."""
 
 WAITS = {
     # The host waits for each bucket's gradients to land before stepping it (the host step is
@@ -97,6 +101,8 @@ def breakdown(optimizer, before: Callable[[], None], steps: int = 3) -> Dict[str
             if id(owner) not in timed:
                 timed.add(id(owner))
                 stack.enter_context(_timing(owner, name, "host step", totals))
+            for name, label in BUCKET_PARTS.items():
+                stack.enter_context(_timing(bucket, name, label, totals))
             if getattr(bucket, "flat", None) is not None:
                 stack.enter_context(_timing(bucket.flat, "step", "host step", totals))
         for _ in range(steps):

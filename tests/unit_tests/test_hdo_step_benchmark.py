@@ -374,7 +374,7 @@ def test_a_download_held_up_on_its_stream_is_reported_as_the_download_wait():
     # pylint: disable=protected-access
     split = load_tool("../benchmarks/hdo_step_breakdown.py", "hdo_step_breakdown")
     _, hdo, grads = _stepped_hdo((1 << 20, 4096, 1 << 18), "cuda", 1.0)
-    queue_download, first = hdo._download, hdo._ring_plan.first_downloads[0]
+    queue_download, first = hdo._download, hdo._ring.plan.first_downloads[0]
 
     def held_up(index):
         if index == first:

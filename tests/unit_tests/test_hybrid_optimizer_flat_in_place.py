@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_flat_in_place as flat_in_place
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_kernels as kernels
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import adjacent_runs
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import adjacent_runs
 
 try:
     from optimizer_doubles import GroupStepAdamW, counting_id_audits, te_fused_adam
@@ -242,7 +243,7 @@ def test_te_fused_adam_steps_runs_of_clones_exactly_and_walks_them_once(
     them, and so does the cap on a run's size): the first step creates the moments laid out.
     Every parameter, moment and group step equals TE stepping them one by one."""
     if cap is not None:
-        monkeypatch.setattr(flat_in_place, "RUN_NUMEL", cap)
+        monkeypatch.setattr(kernels, "RUN_NUMEL", cap)
     walked = count_walked(monkeypatch, in_place_cls)
     (hdo, params), (reference, ref_params) = flat_and_reference(in_place_cls, fp32=fp32)
     generator = torch.Generator().manual_seed(1)

@@ -74,7 +74,7 @@ def train_beside_per_copy(bucket_bytes, monkeypatch, steps, seed, between=None):
 
 def flat_buckets(optimizer):
     """The buckets stepped flat (there must be some)."""
-    buckets = [bucket for bucket in optimizer._buckets if bucket.flat is not None]
+    buckets = [b for b in optimizer._buckets if getattr(b, "flat", None) is not None]
     assert buckets, "no bucket is stepped flat"
     return buckets
 
@@ -93,7 +93,7 @@ def test_a_packed_bucket_is_stepped_flat_exactly_as_copy_by_copy(reference_bytes
     train(params, optimizer, 5, seed=3)
     assert_moments_in_blocks(optimizer)
     reference_params, reference = make(reference_bytes, monkeypatch, flat=False)
-    assert not any(bucket.flat for bucket in reference._buckets)
+    assert not any(getattr(bucket, "flat", None) for bucket in reference._buckets)
     train(reference_params, reference, 5, seed=3)
     assert_same((params, optimizer), (reference_params, reference))
 
@@ -315,7 +315,7 @@ def test_a_group_the_sub_optimizer_refuses_is_refused_alike(monkeypatch):
     the flat step must not go ahead in its place."""
     params, optimizer = make(BUCKET_BYTES, monkeypatch, sizes=[16, 32, 48, 64] * 4)
     train(params, optimizer, 2, seed=1)
-    assert all(bucket.flat is not None for bucket in optimizer._buckets)
+    assert all(getattr(b, "flat", None) is not None for b in optimizer._buckets)
     for sub in optimizer.cpu_optimizers:
         sub.param_groups[0]["foreach"] = True
     for group in optimizer.param_groups:

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_buckets as buckets
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_in_place as in_place
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
@@ -112,7 +114,7 @@ def assert_same(actual, expected):
 
 def packed_buckets(optimizer):
     """The packed buckets, each checked to be one block: every host copy a view into it."""
-    packed = [bucket for bucket in optimizer._buckets if bucket.packed]
+    packed = [b for b in optimizer._buckets if isinstance(b, buckets.PackedCopies)]
     for bucket in packed:
         block = bucket.master.untyped_storage().data_ptr()
         assert all(h.untyped_storage().data_ptr() == block for h in bucket.hosts)
@@ -153,7 +155,8 @@ def test_host_copies_keep_their_objects_and_values_when_packed(monkeypatch):
     params = make_params()
     optimizer = make_optimizer(params, 1.0, param_update_in_fp32=True)
     hosts = dict(optimizer.gpu_params_map_cpu_copy)
-    assert not any(bucket.master is not None for bucket in optimizer._buckets)
+    packed = [b for b in optimizer._buckets if isinstance(b, buckets.PackedCopies)]
+    assert packed and all(bucket.master is None for bucket in packed)
     train(params, optimizer, 1, seed=1)
     assert all(optimizer.gpu_params_map_cpu_copy[p] is h for p, h in hosts.items())
     assert all(optimizer.state[p]["master_param"] is h for p, h in hosts.items())
@@ -165,7 +168,7 @@ def test_widened_gradients_are_the_gradients_cast_one_by_one():
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(s, generator=generator).to(DEVICE, torch.bfloat16) for s in (5, (3, 2))]
     grads.insert(1, None)
-    widened = hybrid_optimizer._widened(grads)
+    widened = in_place.widened(grads)
     assert widened[1] is None
     for grad, wide in zip(grads, widened):
         if grad is not None:
@@ -262,6 +265,7 @@ def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
         [(h, p) for p, h in optimizer.gpu_params_map_cpu_copy.items()], True, held=True
     )
     assert 0 < held <= budget
-    pinned = [b.master.is_pinned() for b in optimizer._buckets if b.master is not None]
+    packed = [b for b in optimizer._buckets if isinstance(b, buckets.PackedCopies)]
+    pinned = [b.master.is_pinned() for b in packed]
     assert pinned == sorted(pinned, reverse=True)
     del params, optimizer

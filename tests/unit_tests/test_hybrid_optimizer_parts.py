@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import CopyPart
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
     from hdo_client_flows import build_hdo
@@ -59,7 +60,8 @@ def train(built, steps, seed, has_grad=lambda step, index: True, between=None):
 
 def parted(optimizer):
     """The copies moved in parts (there must be some), each with its buckets."""
-    copies = {id(b.parted): b.parted for b in optimizer._buckets if b.parted is not None}
+    parts = [b for b in optimizer._buckets if isinstance(b, CopyPart)]
+    copies = {id(b.parted): b.parted for b in parts}
     assert copies, "no copy moves in parts"
     return list(copies.values())
 
@@ -76,8 +78,8 @@ def test_copies_moved_in_parts_step_exactly_as_whole_copies(monkeypatch):
     buckets = built[1]._buckets  # each waits for its own download's event
     assert len({bucket.event_key for bucket in buckets}) == len(buckets)
     # The ring's slots hold a part at most; with whole copies one holds the largest copy.
-    assert max(built[1]._ring_plan.slot_bytes) <= PART_BYTES
-    assert max(reference[1]._ring_plan.slot_bytes) > PART_BYTES
+    assert max(built[1]._ring.plan.slot_bytes) <= PART_BYTES
+    assert max(reference[1]._ring.plan.slot_bytes) > PART_BYTES
 
 
 def test_the_state_of_a_copy_moved_in_parts_is_its_whole_state(monkeypatch):
@@ -234,7 +236,7 @@ def test_sized_buckets_move_a_copy_larger_than_the_cap_in_parts_of_it(set_part_b
     optimizer._ensure_built()
     assert optimizer._host_bucket_bytes() == 2 * PART_BYTES
     large = optimizer.param_to_inner_param[params[-1]]
-    parts = [bucket for bucket in optimizer._buckets if bucket.part is not None]
+    parts = [bucket for bucket in optimizer._buckets if isinstance(bucket, CopyPart)]
     if set_part_bytes == 0:
         assert not parts
         assert max(bucket.nbytes for bucket in optimizer._buckets) == 400_000 * 4
@@ -267,10 +269,10 @@ def test_by_default_only_a_copy_larger_than_a_bucket_moves_in_parts_of_a_bucket(
     params, optimizer = built
     optimizer._ensure_built()
     large = optimizer.param_to_inner_param[params[0]]
-    parts = [b for b in optimizer._buckets if b.part is not None]
+    parts = [b for b in optimizer._buckets if isinstance(b, CopyPart)]
     assert sorted(b.nbytes for b in parts) == [4096 * 4, bucket]
     assert all(b.hosts == [large] for b in parts)
     for pair in (built, reference):
         train(pair, 2, seed=7)
     assert_same(built, reference)
-    assert max(optimizer._ring_plan.slot_bytes) == bucket
+    assert max(optimizer._ring.plan.slot_bytes) == bucket

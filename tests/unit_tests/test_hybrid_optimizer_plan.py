@@ -10,8 +10,8 @@ import pytest
 import torch
 
 plan_module = pytest.importorskip("megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan")
-copies_module = pytest.importorskip(
-    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies"
+buckets_module = pytest.importorskip(
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets"
 )
 
 PART_ALIGN = 64 << 10
@@ -65,9 +65,9 @@ def test_the_plan_keeps_the_cap_that_leaves_fewer_bytes_pageable():
 def test_a_plan_stays_within_its_budget_with_the_ring_first():
     kept = planned(UNEVEN, [(1 << 15, 0), (1 << 17, 0)])
     hosts, params, _ = shards(UNEVEN)
-    budget = copies_module.upstream_pinned_bytes(list(zip(hosts, params)), True, held=True)
+    budget = plan_module.upstream_pinned_bytes(list(zip(hosts, params)), True, held=True)
     assert kept.budget == budget and kept.pin_slots
-    ring = sum(map(copies_module.pinned_block_bytes, kept.ring_bytes))
+    ring = sum(map(plan_module.pinned_block_bytes, kept.ring_bytes))
     assert 0 < ring and ring + kept.pinned_bytes <= budget
     assert len(kept.ring_bytes) == kept.slots and max(kept.ring_bytes) <= kept.cap
     # Every offloaded copy is in one unit, pinned or counted pageable: a packed bucket's block
@@ -84,7 +84,7 @@ def test_a_plan_stays_within_its_budget_with_the_ring_first():
 def test_a_copy_larger_than_the_part_size_is_a_run_of_aligned_parts_counted_once():
     numels = [5, 3 * (PART_ALIGN // 4) + 7, 11]  # a copy of three parts and a short fourth
     kept = planned(numels, [(PART_ALIGN, PART_ALIGN)], roomy=True)
-    parts = [bucket for bucket in kept.buckets if bucket.part is not None]
+    parts = [b for b in kept.buckets if isinstance(b, buckets_module.CopyPart)]
     assert [bucket.part for bucket in parts] == [
         (start, min(start + PART_ALIGN // 4, numels[1]))
         for start in range(0, numels[1], PART_ALIGN // 4)
@@ -95,12 +95,14 @@ def test_a_copy_larger_than_the_part_size_is_a_run_of_aligned_parts_counted_once
     assert [unit is parted_host for unit, _ in kept.units].count(True) == 1
     # Without the part size the same copy is one bucket, as large as it is.
     whole = planned(numels, [(PART_ALIGN, 0)], roomy=True)
-    assert all(bucket.part is None for bucket in whole.buckets)
+    assert not any(isinstance(b, buckets_module.CopyPart) for b in whole.buckets)
     assert max(bucket.nbytes for bucket in whole.buckets) == 4 * numels[1]
 
 
 def test_small_copies_pack_into_one_bucket_laid_out_at_aligned_offsets():
     kept = planned([3, 5, 17], [(1 << 12, 0)], roomy=True)
     (bucket,) = kept.buckets
-    assert bucket.packed and [offset for _, _, offset in bucket.grads] == [0, 64, 128]
+    assert isinstance(bucket, buckets_module.PackedCopies) and [
+        offset for _, _, offset in bucket.grads
+    ] == [0, 64, 128]
     assert bucket.nbytes == 128 + 4 * 17 and kept.units == [(0, bucket.nbytes)]

@@ -20,6 +20,7 @@ import torch
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import CopyPart
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import PART_ALIGN_BYTES
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
@@ -52,7 +53,7 @@ def test_the_parts_variant_moves_its_first_copy_in_parts(copies):
         params, optimizer = make(fraction)
         train(params, optimizer, 1, seed=1)
         # pylint: disable=protected-access
-        parted = [b for b in optimizer._buckets if b.parted is not None]
+        parted = [b for b in optimizer._buckets if isinstance(b, CopyPart)]
         assert len(parted) == (2 if copies == "parts" else 0)
         assert all(b.hosts == [optimizer.param_to_inner_param[params[0]]] for b in parted)
 
@@ -208,10 +209,12 @@ def test_a_download_notes_its_event_and_the_step_takes_it():
     assert optimizer._cpu_optimizer_map_data_event == {}
     for param in params:
         param.grad = torch.ones_like(param)
-    first = optimizer._ring_plan.first_downloads[0]
+    first = optimizer._ring.plan.first_downloads[0]
     optimizer._download(first)
     bucket = optimizer._buckets[first]
-    if bucket.part is None:  # a whole bucket's key is its sub-optimizer, as upstream keys it
+    if not isinstance(
+        bucket, CopyPart
+    ):  # a whole bucket's key is its sub-optimizer, as upstream keys it
         assert bucket.event_key is bucket.optimizer
     else:  # the parts of a copy share its sub-optimizer, so each adds its range
         assert bucket.event_key == (bucket.optimizer, bucket.part)

@@ -31,6 +31,7 @@ import torch
 
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import CopyPart
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORK = getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False)
@@ -323,9 +324,9 @@ def assert_knobs_took_effect(case: StepCase, optimizer) -> None:
     # pylint: disable=protected-access
     if case.bucket_bytes:
         staged = [bucket for bucket in optimizer._buckets if bucket.grads]
-        assert len(staged) > optimizer._ring_plan.slots, "the buckets fit the ring"
+        assert len(staged) > optimizer._ring.plan.slots, "the buckets fit the ring"
     if case.host_part_bytes is not None:
-        assert any(bucket.part is not None for bucket in optimizer._buckets), "no copy in parts"
+        assert any(isinstance(b, CopyPart) for b in optimizer._buckets), "no copy in parts"
 
 
 def grads_at(case: StepCase, params: List[torch.Tensor], step: int) -> List[torch.Tensor]:

@@ -923,7 +923,7 @@ def test_each_slot_holds_the_largest_of_its_buckets(numels, monkeypatch):
     largest = max(numels) * 4  # fp32 gradients of the largest bucket
     # Pinned (on a GPU), two slots: within upstream's budget a third would leave one more copy
     # pageable. Unpinned slots cost no budget: three.
-    assert slots == (2 if optimizer._ring_plan.pin_slots else 3)
+    assert slots == (2 if optimizer._ring.plan.pin_slots else 3)
     assert sorted(sizes.values()).count(largest) == 1
     assert sum(sizes.values()) < slots * largest
     assert_matches_reference(optimizer, params, masters, references)
@@ -954,7 +954,7 @@ def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monke
     # Without overlap the same buckets share a single slot: each download waits for the
     # previous bucket's step. With pinned slots the plan keeps two where that pins more copies.
     assert len(optimizer.cpu_optimizers) == 6
-    ring = 2 if optimizer._ring_plan.pin_slots else 3
+    ring = 2 if optimizer._ring.plan.pin_slots else 3
     assert assert_packed_ring(optimizer) == (ring if overlap else 1)
 
 

@@ -14,7 +14,7 @@ kernel call over its blocks (:mod:`hybrid_optimizer_flat_step`).
 Pinned host memory stays within what megatron-core 0.19.2 keeps pinned for the same
 parameters; host copies that do not fit stay pageable and go up through their bucket's slot,
 which the next download into it waits for (the plan, made before anything is allocated:
-:mod:`hybrid_optimizer_plan`; the layouts: :mod:`hybrid_optimizer_copies`).
+:mod:`hybrid_optimizer_plan`; the buckets and their layouts: :mod:`hybrid_optimizer_buckets`).
 
 Every parameter ``p`` of the public ``param_groups`` has an *inner* tensor that really holds
 its optimizer state: a host copy (offloaded), an fp32 clone (``param_update_in_fp32`` with a
@@ -26,10 +26,9 @@ optimizer does. ``state[p]`` is the very dict the sub-optimizer steps for the in
 thing.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Type, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
-from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer import fork_info
 from megatron.core.optimizer import state_load_checks as checks
@@ -37,69 +36,47 @@ from megatron.core.optimizer.cpu_offloading.host_step_threads import (
     host_step_threads,
     threads_for_host_step,
 )
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import (
+    HostBucket,
+    share_parted_steps,
+)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_in_place import (
+    InPlaceStepMixin,
+    fp32_clones,
+)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import tensor_nbytes
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
+    PART_ALIGN_BYTES,
+    copy_part_bytes,
+)
 
-# Some only re-export the planning helpers here, where tests and tools look for them.
+# The planning helpers are re-exported here, where tests and tools look for them.
 # pylint: disable-next=unused-import
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
-    _Bucket,
-    _nbytes,
-    _on_stream,
-    _RingPlan,
-    _typed_view,
-    _widened,
-    pack_host_copies,
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan import (
+    HostPlan,
     pinned_block_bytes,
+    plan_host,
     plan_pinned_host_memory,
     sized_bucket_bytes,
     slot_sizes,
+    staged_offset,
     upstream_pinned_bytes,
 )
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
-    _MOMENTS,
-    PLAIN_TENSORS,
-    FlatInPlaceStep,
-)
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import FlatAdamStep, suits
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_fused_list import (
-    FusedListStep,
-    in_place_step,
-)
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
-    PART_ALIGN_BYTES,
-    PartedCopy,
-    copy_part_bytes,
-)
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan import (
-    HostPlan,
-    plan_host,
-    staged_offset,
-)
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_ring import Ring, RingPlan
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
-    MASTER,
     ParamState,
     StateChanges,
     StateMap,
-    home_of,
-    placed,
-    plan_step_counts,
 )
-from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step, step_counter_of
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_sync import (
+    HDO_OPTIONS,
+    SharedStateMixin,
+    hyperparameters,
+)
+from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step
 
 # Lets tests and tools tell this implementation from upstream's.
 FORK_IMPLEMENTATION = True
-
-# Constructor options of the hybrid optimizer itself. They live in ``defaults`` (so that
-# ``HybridDeviceOptimizer(params, **opt.defaults)`` rebuilds an equivalent optimizer) but
-# never in param groups, which would put classes into checkpoints.
-_HDO_OPTIONS = (
-    "offload_fraction",
-    "cpu_optimizer_cls",
-    "gpu_optimizer_cls",
-    "param_update_in_fp32",
-    "pin_cpu_grads",
-    "pin_cpu_params",
-    "overlap_cpu_optimizer_d2h_h2d",
-)
 
 # Most bytes of host copies (as staged, alignment included) a host sub-optimizer steps
 # together: 16M fp32 elements, a few ms of fused host AdamW, so small parameters share a call
@@ -143,75 +120,13 @@ _BUILT_ON_FIRST_USE = frozenset(
         "cpu_copy_map_grad",
         "_buckets",
         "_ring",
-        "_ring_plan",
-        "_device_staging",
         "_entries",
         "_entries_by_inner",
     }
 )
 
 
-def _hyperparameters(group: Dict[str, Any]) -> Dict[str, Any]:
-    """The entries of a param group that a sub-optimizer should follow."""
-    return {k: v for k, v in group.items() if k not in ("params", "step") + _HDO_OPTIONS}
-
-
-def _fp32_clones(params: List[torch.Tensor]) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
-    """fp32 copies of ``params`` and the block they lie in: back to back in the order of
-    ``params`` where they share a device (else no block), so that the in-place step can take
-    runs of them as one tensor, with their gradients widened into one buffer laid out alike
-    (see :mod:`hybrid_optimizer_flat_in_place`)."""
-    plain = all(type(p) in PLAIN_TENSORS for p in params)
-    if not params or not plain or len({p.device for p in params}) != 1:
-        # A DTensor's clone must stay a DTensor: no block.
-        return [p.detach().to(torch.float32, copy=True) for p in params], None
-    block = torch.empty(
-        sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device
-    )
-    clones = _unflatten_dense_tensors(block, params)
-    torch._foreach_copy_(clones, [p.detach() for p in params])  # pylint: disable=protected-access
-    return list(clones), block
-
-
-def _widened_block(grads: List[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``grads`` back to back in one fp32 buffer, by one concatenation (no view per gradient);
-    None where they differ in dtype or device or are not plain tensors. fp32 gradients (the
-    precision-aware optimizer's) are concatenated straight into it; 16-bit ones are concatenated,
-    then widened, which holds their 16-bit concatenation beside it for a moment."""
-    kinds = {(type(grad), grad.dtype, grad.device) for grad in grads}
-    if len(kinds) != 1 or type(grads[0]) not in PLAIN_TENSORS:
-        return None
-    if any(grad.dim() != 1 for grad in grads):
-        grads = [grad.reshape(-1) for grad in grads]
-    return torch.cat(grads).to(torch.float32)
-
-
-def _same_count(step: Any, other: Any) -> bool:
-    """Whether two group step counts are one count: the same object, or equal numbers (a
-    tensor count is only ever the same object, since clients reset those in place)."""
-    if step is other:
-        return True
-    if isinstance(step, torch.Tensor) or isinstance(other, torch.Tensor):
-        return False
-    return step == other
-
-
-def _recorded(event: Optional[Any], stream) -> Any:
-    """``event`` (made here the first time) recorded on ``stream``: a step records the same
-    events again rather than making and freeing one per copy."""
-    if event is None:
-        event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
-    """The gradient Megatron left for ``param`` (precision-aware mode uses ``decoupled_grad``)."""
-    grad = getattr(param, "decoupled_grad", None)
-    return param.grad if grad is None else grad
-
-
-class HybridDeviceOptimizer(torch.optim.Optimizer):
+class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Optimizer):
     """Adam-style optimizer that splits its parameters between host and accelerator.
 
     Args:
@@ -297,13 +212,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         self._d2h_stream, self._h2d_stream = self._make_streams()
         # D2H event of each host sub-optimizer whose gradients are on their way (in a step).
         self._cpu_optimizer_map_data_event: Dict[torch.optim.Optimizer, Any] = {}
-        # H2D event of each ring slot that a pageable copy is going up through (in a step).
-        self._slot_uploads: Dict[int, Any] = {}
-        # The event each ring slot records its staged uploads with, made once.
-        self._slot_upload_events: Dict[int, Any] = {}
-        # The stream current on the side streams' device when the step began, to come back to
-        # from them (None outside a step, or where the caller's current device is another).
-        self._step_stream = None
         self._state_changes = StateChanges()
         # Each public group's step as last handed to or taken from the sub-groups.
         self._group_steps_in_sync: List[Any] = []
@@ -373,22 +281,6 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             self.param_to_fp32_param,
         )
 
-    def _new_sub_state_map(self) -> StateMap:
-        """A sub-optimizer's ``state``: its inner tensors map to the shared entries."""
-        return StateMap(self._entries_by_inner.get)
-
-    def _shared_sub_state(self, optimizer: torch.optim.Optimizer) -> StateMap:
-        """``optimizer.state``, put back to a shared map if it was replaced as a whole."""
-        if not isinstance(optimizer.state, StateMap):
-            optimizer.state = self._new_sub_state_map()
-        return optimizer.state
-
-    def _entry_of(self, param) -> Optional[ParamState]:
-        """The state dict shared by ``param`` and its sub-optimizer (None for other keys)."""
-        if not isinstance(param, torch.Tensor):
-            return None
-        return self._entries.get(param)
-
     def replace_param_groups(self, param_groups: Iterable[Dict[str, Any]]):
         """Regroup the parameters before any state exists, without building anything twice.
 
@@ -417,7 +309,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         defaults, self.defaults = self.defaults, dict(self.sub_optimizer_kwargs)
         try:
             for group in param_groups:
-                self.add_param_group({k: v for k, v in group.items() if k not in _HDO_OPTIONS})
+                self.add_param_group({k: v for k, v in group.items() if k not in HDO_OPTIONS})
         finally:
             self.defaults = defaults
 
@@ -448,7 +340,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             if on_host:
                 offloaded += param.numel()
             placement.append((param, widen, on_host))
-        clones, self._clone_block = _fp32_clones(
+        clones, self._clone_block = fp32_clones(
             [p for p, widen, on_host in placement if widen and not on_host]
         )
         clones = iter(clones)
@@ -495,7 +387,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             host = [t for t in host if self._steps_on_host(t)]
             for params, target in ((host, self.cpu_param_groups), (device, self.gpu_param_groups)):
                 if params:
-                    target.append({**_hyperparameters(group), "params": params})
+                    target.append({**hyperparameters(group), "params": params})
 
         # Buckets in both modes: they bound the gradient staging (and so the pinned memory);
         # the overlap option decides how many buckets are in flight (see _plan_grad_ring).
@@ -539,7 +431,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             return _HOST_BUCKET_BYTES
         offloaded = self.cpu_copys_map_gpu_param
         staged = sum(
-            _nbytes(host)
+            tensor_nbytes(host)
             for group in self.cpu_param_groups
             for host in group["params"]
             if host in offloaded
@@ -566,7 +458,7 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         )
 
     def _plan_grad_ring(self):
-        """Take the host plan's buckets and ring; allocate nothing yet.
+        """Take the host plan's buckets and make the ring; allocate nothing yet.
 
         Buckets are stepped in the sub-optimizers' order (a copy in parts as its run of parts).
         The k-th bucket with offloaded parameters packs its gradients into ring slot
@@ -578,20 +470,19 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         for the same parameters, both counted in the power-of-two blocks the host allocator
         holds (see :func:`plan_pinned_host_memory`); a packed bucket's block is pinned or not
         as a whole. The copies left pageable go up through their bucket's slot (see
-        ``_upload``).
+        :meth:`HostBucket.stage_upload`).
         """
         plan = self._host_plan
         self.cpu_copy_map_grad: Dict[torch.Tensor, torch.Tensor] = {}
-        self._device_staging: List[torch.Tensor] = []
-        self._buckets: List[_Bucket] = plan.buckets
-        self._share_parted_steps()
+        self._buckets: List[HostBucket] = plan.buckets
+        share_parted_steps(self._buckets, self._entries_by_inner.__getitem__)
         staged, slots = plan.staged, plan.slots
         for k, index in enumerate(staged):
             self._buckets[index].slot = k % slots
             if k + slots < len(staged):
                 self._buckets[index].follower = staged[k + slots]
         chosen = [unit for (unit, _), pin in zip(plan.units, plan.pinned) if pin]
-        self._ring_plan = _RingPlan(
+        ring_plan = RingPlan(
             slots,
             plan.ring_bytes,
             plan.pin_slots,
@@ -599,20 +490,9 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             [unit for unit in chosen if isinstance(unit, torch.Tensor)],
             [unit for unit in chosen if not isinstance(unit, torch.Tensor)],
         )
-        self._ring: List[torch.Tensor] = []
-
-    def _share_parted_steps(self):
-        """Give each run of parts of one host copy the step its parts share."""
-        runs: Dict[Any, List[_Bucket]] = {}
-        for bucket in self._buckets:
-            if bucket.part is not None:
-                runs.setdefault(bucket.optimizer, []).append(bucket)
-        for optimizer, parts in runs.items():
-            entry = self._entries_by_inner[parts[0].hosts[0]]
-            parted = PartedCopy(optimizer, entry, [bucket.part for bucket in parts])
-            parted.buckets = parts
-            for bucket in parts:
-                bucket.parted = parted
+        self._ring = Ring(
+            self._d2h_stream, self._h2d_stream, self._cpu_optimizer_map_data_event, ring_plan
+        )
 
     def _part_bytes(self, cap: int) -> int:
         """The size of the parts a large host copy moves in (0: whole) with buckets of at most
@@ -624,79 +504,26 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
     def _allocate_ring(self):
         """On the first step: allocate the slots, view each gradient into its slot, pin copies,
         gather each packed bucket's copies into one block, make the device staging buffers."""
-        plan = self._ring_plan
-        if self._ring or not plan.slots:
+        ring = self._ring
+        if not ring.allocate_slots():
             return
-        self._ring = [
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
-            for nbytes in plan.slot_bytes
-        ]
         for bucket in self._buckets:
-            slot = self._ring[bucket.slot] if bucket.grads else None
-            if bucket.part is not None:  # a part's gradient is a slice: it has no whole view
-                bucket.views = [slot[: bucket.nbytes].view(bucket.hosts[0].dtype)]
-                continue
-            for host, _, offset in bucket.grads:
-                self.cpu_copy_map_grad[host] = _typed_view(slot, offset, host)
-            bucket.views = [self.cpu_copy_map_grad[host] for host in bucket.hosts]
-        pinned_blocks = set(plan.blocks_to_pin)
+            bucket.take_slot(ring, self.cpu_copy_map_grad)
+        entry_of, flat_steps = self._entries_by_inner.__getitem__, self.flat_host_steps
+        pinned_blocks = set(ring.plan.blocks_to_pin)
         for index, bucket in enumerate(self._buckets):
-            if bucket.packed:
-                self._pack(bucket, index in pinned_blocks)
-        for host in plan.masters_to_pin:
+            bucket.pack(ring, index in pinned_blocks, flat_steps, entry_of)
+        for host in ring.plan.masters_to_pin:
             # Swapping ``.data`` keeps the tensor object the sub-optimizer and maps key on.
             host.data = host.pin_memory()
-        for bucket in self._buckets:  # the copies are where they stay: note it
-            if not bucket.packed and bucket.grads and bucket.part is None:
-                self._make_flat(bucket)
-            if bucket.grads:
-                self._note_layout(bucket)
-        on_cuda = [b for b in self._buckets if b.packed and b.params[0].is_cuda]
-        if on_cuda:
-            # Two buffers of the largest packed bucket: gradients gather in one (on the D2H
-            # stream), stepped blocks land in the other (on the H2D stream); each stream
-            # reuses its own buffer in order, so one of each serves every bucket.
-            nbytes, device = max(b.nbytes for b in on_cuda), on_cuda[0].params[0].device
-            self._device_staging = [
-                torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)
-            ]
-            down, up = self._device_staging
-            for bucket in on_cuda:
-                bucket.down = [_typed_view(down, offset, host) for host, _, offset in bucket.grads]
-                bucket.up = [_typed_view(up, offset, host) for host, _, offset in bucket.grads]
-
-    def _pack(self, bucket: _Bucket, pin: bool):
-        """Lay the bucket's host copies out as one block; step it flat where it can be."""
-        pack_host_copies(bucket, pin)
-        self._make_flat(bucket)
-
-    def _make_flat(self, bucket: _Bucket):
-        """Give the bucket its one-call step (``FlatAdamStep``) where its sub-optimizer is
-        torch's fused Adam or AdamW over its copies: a packed bucket over its block, a bucket
-        of one copy over the copy itself (a kernel call instead of the optimizer's Python)."""
-        bucket.flat = None
-        if bucket.master is None and (
-            len(bucket.hosts) != 1 or not bucket.hosts[0].is_contiguous()
-        ):
-            return  # neither packed nor one dense copy
-        if self.flat_host_steps and suits(bucket.optimizer, bucket.hosts):
-            bucket.flat = FlatAdamStep(
-                bucket.optimizer,
-                [self._entries_by_inner[host] for host in bucket.hosts],
-                [(offset, _nbytes(host)) for host, _, offset in bucket.grads],
-                bucket.master,
-                self._ring[bucket.slot],
-            )
-
-    @staticmethod
-    def _note_layout(bucket: _Bucket):
-        """Note where the bucket's copies live and whether their memory is pinned, so that an
-        upload need not ask the driver; ``_download`` notices a copy re-pointed since."""
-        bucket.master_ptrs = [host.data_ptr() for host in bucket.hosts]
-        if bucket.master is not None:
-            bucket.pinned = [bucket.master.is_pinned()] * len(bucket.hosts)
-        else:
-            bucket.pinned = [host.is_pinned() for host in bucket.hosts]
+        for bucket in self._buckets:  # the copies are where they stay
+            bucket.settle_layout(ring, flat_steps, entry_of)
+        on_device = [bucket for bucket in self._buckets if bucket.stages_on_device()]
+        if on_device:
+            nbytes = max(bucket.nbytes for bucket in on_device)
+            ring.allocate_device_staging(nbytes, on_device[0].params[0].device)
+            for bucket in on_device:
+                bucket.take_device_staging(ring)
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
@@ -727,11 +554,11 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
             bucket, end = [], 0
             for param in params:
                 offset = staged_offset(end)
-                if bucket and (bucket_bytes <= 0 or offset + _nbytes(param) > bucket_bytes):
+                if bucket and (bucket_bytes <= 0 or offset + tensor_nbytes(param) > bucket_bytes):
                     optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
                     bucket, offset = [], 0
                 bucket.append(param)
-                end = offset + _nbytes(param)
+                end = offset + tensor_nbytes(param)
             if bucket:
                 optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
         return optimizers
@@ -777,614 +604,48 @@ class HybridDeviceOptimizer(torch.optim.Optimizer):
         # once its host step has returned and its upload is queued, so that is when the
         # download of the bucket that reuses the slot is queued (behind the upload, on the D2H
         # stream, where a pageable copy goes up through the slot).
+        ring = self._ring
         try:
             with threads_for_host_step(threads):
-                self._step_stream = self._side_streams_follow_current()
-                for index in self._ring_plan.first_downloads:
+                ring.begin_step()
+                for index in ring.plan.first_downloads:
                     self._download(index)
                 # While the first downloads run; on the calling thread, since on a worker its
                 # Python and the host steps' would wait for each other's GIL (see
                 # docs/benchmarks.md).
                 self._step_in_place_whole()
                 for bucket in self._buckets:
-                    self._after_host_step(bucket, self._step_host_bucket(bucket))
+                    self._after_host_step(bucket, bucket.step(ring))
         finally:
             for param in lent:
                 param.grad = None
-            if self._h2d_stream is not None:
-                # Uploads read the host copies until they finish; waiting here, even after a
-                # failed step, means nothing on the host (a checkpoint load, the next step) can
-                # write a copy still being read.
-                self._h2d_stream.synchronize()
-            self._slot_uploads.clear()
-            self._step_stream = None
+            ring.end_step()
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
-
-    def _side_streams_follow_current(self):
-        """Make the copy streams wait for the stream current on their device, whose gradients
-        and parameters they move, whichever device is current. Returns that stream, for the
-        copies to switch back to, where it is also the current device's; else None."""
-        if self._d2h_stream is None:
-            return None
-        device = self._d2h_stream.device
-        current = torch.cuda.current_stream(device)
-        for stream in (self._d2h_stream, self._h2d_stream):
-            stream.wait_stream(current)
-        # Switching streams also makes their device current; coming back to ``current`` would
-        # then leave the caller on another device than it was.
-        same = torch.cuda.current_device() == device.index and self._h2d_stream.device == device
-        return current if same else None
-
-    def _flat_in_place_step(self) -> Optional[Union[FlatInPlaceStep, FusedListStep]]:
-        """The step that spares the in-place sub-optimizer of the moment its walk over the
-        parameters (see :func:`in_place_step`), if it is on."""
-        optimizer = self.gpu_optimizer
-        if optimizer is None or not self.flat_in_place_steps:
-            return None
-        if self._flat_in_place is None or self._flat_in_place.optimizer is not optimizer:
-            self._flat_in_place = in_place_step(optimizer)
-        return self._flat_in_place
-
-    def _step_in_place(self):
-        """The in-place sub-optimizer's step, if there is one: over runs of adjacent tensors
-        where it is TE's FusedAdam and its state is laid out for that, else its own."""
-        flat = self._flat_in_place_step()
-        if flat is not None and flat.step():
-            return
-        if self.gpu_optimizer is not None:
-            self.gpu_optimizer.step()
-            if flat is not None:
-                flat.lay_out()  # so that the next step can take runs
-
-    def _step_clones_from_buffer(self) -> bool:
-        """The in-place step where the in-place sub-optimizer steps the fp32 clones alone and
-        is TE's FusedAdam (over runs of them) or torch's fused Adam or AdamW (its kernel over
-        their lists): their gradients are widened into one buffer laid out like the clones'
-        block and handed over from there, with no gradient set on any clone. False (nothing
-        stepped) where that does not apply this step."""
-        flat, block = self._flat_in_place_step(), self._clone_block
-        if flat is None or block is None or not flat.applies():
-            return False
-        stepped = sum(len(group["params"]) for group in flat.optimizer.param_groups)
-        if stepped != len(self._clones_in_place):
-            return False
-        grads = [_grad_of(param) for param, _ in self._clones_in_place]
-        if any(grad is None for grad in grads):
-            return False
-        widened = _widened_block(grads)
-        if widened is None or widened.numel() != block.numel():
-            return False  # a gradient of another size: the offsets would not match
-        return flat.step(grads=(widened, block.data_ptr()))
-
-    def _step_host_bucket(self, bucket: _Bucket) -> List[_Bucket]:
-        """Step one host bucket once its gradients have landed: flat where it can be.
-
-        Returns:
-            The buckets that may go up now: this one, or for a part of a copy those its step
-            released (a copy whose parts are gathered goes up once its last part has landed).
-        """
-        event = self._cpu_optimizer_map_data_event.pop(bucket.event_key, None)
-        if event is not None:
-            event.synchronize()
-        if bucket.parted is not None:
-            return self._step_part(bucket)
-        if bucket.flat is None or bucket.keep is not None or not bucket.flat.step():
-            bucket.optimizer.step()
-            if bucket.flat is not None:
-                bucket.flat.lay_out()  # so that the next step can be flat
-        return [bucket]
-
-    def _after_host_step(self, bucket: _Bucket, ready: List[_Bucket]) -> None:
-        """Queue the uploads of the buckets just stepped (``ready``) and the download that
-        reuses the bucket's slot, after the bucket's own upload, which its pageable copies
-        make through the slot; the other parts of a gathered copy go up from their memory."""
-        if any(stepped is bucket for stepped in ready):
-            self._queue_upload(bucket, *self._stage_upload(bucket, staged_in_slot=True))
-        if bucket.follower is not None:
-            self._download(bucket.follower)
-        for stepped in ready:
-            if stepped is not bucket:
-                self._queue_upload(stepped, *self._stage_upload(stepped, staged_in_slot=False))
-
-    def _step_part(self, bucket: _Bucket) -> List[_Bucket]:
-        """Step one part of a copy (see :class:`PartedCopy`); the buckets that go up now."""
-        if bucket.keep is not None:  # no gradient this step: no part is stepped
-            return []
-        parted = bucket.parted
-        index = parted.ranges.index(bucket.part)
-        if index == 0:
-            parted.begin()
-        return [parted.buckets[i] for i in parted.step_part(index, bucket.views[0])]
-
-    def _set_sub_optimizer_grads(self) -> List[torch.Tensor]:
-        """Give the inner tensors stepped in place their gradients for this step.
-
-        fp32 clones get the widened gradient (``_widen_clone_grads``); parameters stepped as
-        they are borrow ``decoupled_grad`` (``_lend_decoupled_grads``). The host
-        sub-optimizers' gradients are downloaded bucket by bucket during the step, into the
-        ring's slots (``_download``).
-
-        Returns:
-            The parameters that borrowed a gradient, to be cleared after the step.
-        """
-        self._widen_clone_grads()
-        return self._lend_decoupled_grads()
-
-    def _widen_clone_grads(self):
-        """Give each fp32 clone stepped in place its parameter's gradient, widened."""
-        if self._clones_in_place:
-            clones = [clone for _, clone in self._clones_in_place]
-            grads = [_grad_of(param) for param, _ in self._clones_in_place]
-            for clone, grad in zip(clones, _widened(grads)):
-                clone.grad = grad
-
-    def _lend_decoupled_grads(self) -> List[torch.Tensor]:
-        """Lend ``decoupled_grad`` as ``grad`` to the parameters stepped as they are.
-
-        torch and TE optimizers read ``grad``, while the precision-aware distributed optimizer
-        leaves fp32 shards their gradient in ``decoupled_grad`` only.
-
-        Returns:
-            The parameters that borrowed a gradient, to be cleared after the step.
-        """
-        lent = []
-        for param in self._stepped_as_is:
-            decoupled = getattr(param, "decoupled_grad", None)
-            if decoupled is not None and param.grad is None:
-                param.grad = decoupled.to(param.dtype)
-                lent.append(param)
-        return lent
-
-    def _step_in_place_whole(self):
-        """All the in-place side of a step: the clones' widened gradients, the in-place
-        sub-optimizer's step, and the clones copied back into their parameters."""
-        from_buffer = self._step_clones_from_buffer()
-        if not from_buffer:
-            self._widen_clone_grads()
-            self._step_in_place()
-        if self._clones_in_place:
-            params, clones = (list(t) for t in zip(*self._clones_in_place))
-            torch._foreach_copy_(params, clones)  # pylint: disable=protected-access
-            if not from_buffer:
-                for clone in clones:
-                    clone.grad = None  # the widened gradient is only needed for this step
 
     def _register_param_copy_back_gpu_hook(self):
         """Nothing to register: ``step`` uploads each host bucket itself, as soon as it is
         stepped, and copies the fp32 clones back after the in-place step."""
 
+    def _after_host_step(self, bucket: HostBucket, ready: List[HostBucket]) -> None:
+        """Queue the uploads of the buckets just stepped (``ready``) and the download that
+        reuses the bucket's slot, after the bucket's own upload, which its pageable copies
+        make through the slot; the other parts of a gathered copy go up from their memory."""
+        ring = self._ring
+        if any(stepped is bucket for stepped in ready):
+            bucket.queue_upload(ring, *bucket.stage_upload(ring, staged_in_slot=True))
+        if bucket.follower is not None:
+            self._download(bucket.follower)
+        for stepped in ready:
+            if stepped is not bucket:
+                stepped.queue_upload(ring, *stepped.stage_upload(ring, staged_in_slot=False))
+
     def _download(self, index: int):
         """Queue the D2H of bucket ``index``'s gradients into its slot and note its event in
-        ``_cpu_optimizer_map_data_event`` (where CUDA exists).
-
-        Each host copy keeps its slot view as its gradient, or None while its parameter has
-        none (its step is then skipped). A packed bucket's gradients are gathered and widened
-        into the device staging buffer and come down in one copy.
-        """
-        bucket = self._buckets[index]
-        if bucket.master_ptrs and [h.data_ptr() for h in bucket.hosts] != bucket.master_ptrs:
-            # A copy was re-pointed (its ``.data`` replaced): its block or step views old memory.
-            if bucket.master is not None:
-                self._pack(bucket, bucket.pinned[0])
-            elif bucket.part is None:
-                self._make_flat(bucket)
-            self._note_layout(bucket)
-        grads = [_grad_of(param) for param in bucket.params]
-        bucket.keep = None
-        if any(grad is None for grad in grads):
-            bucket.keep = [i for i, grad in enumerate(grads) if grad is not None]
-        for host, view, grad in zip(bucket.hosts, bucket.views, grads):
-            lent = None if grad is None else view
-            if bucket.part is None and host.grad is not lent:  # a part lends no whole view
-                host.grad = lent
-        grads = bucket.kept(grads)
-        with _on_stream(self._d2h_stream, self._step_stream):
-            staged_upload = self._slot_uploads.pop(bucket.slot, None)
-            if staged_upload is not None:  # the slot still holds a copy on its way up
-                self._d2h_stream.wait_event(staged_upload)
-            if bucket.part is not None:  # a strided gradient is made dense here, on this stream
-                grads = [bucket.sliced(grad.contiguous()) for grad in grads]
-            if bucket.down and grads:
-                torch._foreach_copy_(bucket.kept(bucket.down), grads)  # widens on the device
-                raw = self._device_staging[0][: bucket.nbytes]
-                self._ring[bucket.slot][: bucket.nbytes].copy_(
-                    raw, non_blocking=self._ring_plan.pin_slots
-                )
-            elif bucket.packed and grads:
-                torch._foreach_copy_(bucket.kept(bucket.views), grads)
-            else:
-                for staged, grad in zip(bucket.kept(bucket.views), grads):
-                    if grad.is_cuda and grad.dtype != staged.dtype:
-                        grad = grad.to(staged.dtype)  # widen on the device, where it is cheap
-                    staged.copy_(grad.view_as(staged), non_blocking=self._ring_plan.pin_slots)
-            if self._d2h_stream is not None:
-                bucket.landed = _recorded(bucket.landed, self._d2h_stream)
-                self._cpu_optimizer_map_data_event[bucket.event_key] = bucket.landed
-
-    def _stage_upload(self, bucket: _Bucket, staged_in_slot: bool) -> Tuple[list, bool]:
-        """Get the bucket's host copies just stepped ready to go up: where its slot is its
-        own now (``staged_in_slot``: its gradients are stepped), pageable copies are copied
-        into it on the host, since an upload from pageable memory blocks the host until it is
-        done, holding up the next host step, while a host copy into the pinned slot is faster
-        and lets the upload run behind it.
-
-        Returns:
-            What each upload reads (the block of a packed bucket; else each stepped copy, in
-            the bucket's order), and whether any of it is in the slot.
-        """
-        if not bucket.kept(bucket.params):
-            return [], False
-        stage = staged_in_slot and self._ring_plan.pin_slots
-        if bucket.master is not None:
-            if stage and not bucket.pinned[0]:
-                return [self._ring[bucket.slot][: bucket.nbytes].copy_(bucket.master)], True
-            return [bucket.master], False
-        sources, staged = [], False
-        for host, slot_view, pinned in zip(
-            bucket.kept(bucket.hosts), bucket.kept(bucket.views), bucket.kept(bucket.pinned)
-        ):
-            host = bucket.sliced(host)
-            if stage and not pinned:
-                host = slot_view.copy_(host)
-                staged = True
-            sources.append(host)
-        return sources, staged
-
-    def _queue_upload(self, bucket: _Bucket, sources: list, staged: bool):
-        """Queue the H2D of the bucket's stepped host copies, staged by :meth:`_stage_upload`
-        (``sources``, ``staged``), into their parameters.
-
-        A packed bucket goes up as one block into the device staging buffer and is narrowed
-        from there into its parameters by one multi-tensor copy. Where a copy went up through
-        the bucket's slot, the download that reuses the slot waits for the upload
-        (``_slot_uploads``).
-        """
-        params = bucket.kept(bucket.params)
-        if not params:
-            return
-        with _on_stream(self._h2d_stream, self._step_stream):
-            if bucket.master is not None:
-                if bucket.up:
-                    self._device_staging[1][: bucket.nbytes].copy_(sources[0], non_blocking=True)
-                    torch._foreach_copy_(params, bucket.kept(bucket.up))  # narrows on the device
-                else:
-                    torch._foreach_copy_(params, bucket.kept(bucket.hosts))
-            else:
-                for param, source in zip(params, sources):
-                    param = bucket.sliced(param.data)
-                    if param.is_cuda and source.dtype != param.dtype:
-                        # Narrow on the device. The staging tensor is allocated on this stream,
-                        # so the caching allocator hands its memory out again only in this
-                        # stream's order, after the narrowing copy has read it.
-                        narrowed = torch.empty_like(source, device=param.device)
-                        source = narrowed.copy_(source, non_blocking=True)
-                    param.copy_(source.view_as(param), non_blocking=param.is_cuda)
-            self._note_slot_upload(bucket, staged)
-
-    def _note_slot_upload(self, bucket: _Bucket, staged: bool):
-        """Where a copy went up through the bucket's slot, keep the upload's event for the
-        download that reuses the slot (``_download`` waits for it on the D2H stream)."""
-        if staged and bucket.follower is not None:
-            event = _recorded(self._slot_upload_events.get(bucket.slot), self._h2d_stream)
-            self._slot_upload_events[bucket.slot] = self._slot_uploads[bucket.slot] = event
-
-    def _mirror_group_steps(self, steps_before: List[Any]):
-        """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
-        for (sub_group, index), before in zip(self._sub_groups, steps_before):
-            step = sub_group.get("step")
-            if step is not None and step is not before:
-                self.param_groups[index]["step"] = step
-        self._note_group_steps()
-
-    # ------------------------------------------------------------------ state sync
-
-    def _note_group_steps(self):
-        """Remember each public group's step as the sub-groups have it now, so that the next
-        sync can tell a step a client wrote into the public group from one mirrored there."""
-        self._group_steps_in_sync = [group.get("step") for group in self.param_groups]
-
-    def _group_steps_written_outside(self) -> Dict[int, Any]:
-        """Public group index -> the step a client wrote there since the last sync."""
-        noted = self._group_steps_in_sync
-        written = {}
-        for index, group in enumerate(self.param_groups):
-            if "step" not in group:
-                continue
-            before = noted[index] if index < len(noted) else None
-            if not _same_count(group["step"], before):
-                written[index] = group["step"]
-        return written
-
-    def _sync_hdo_param_groups_to_sub_optimizers(self):
-        """Push the public groups' hyperparameters (lr, weight decay, ...) to the sub-groups,
-        and a step a client wrote into a public group (slime's reset of the optimizer states
-        sets it to 0) to the sub-groups that count steps in their group, which step next."""
-        written = self._group_steps_written_outside()
-        for sub_group, index in self._sub_groups:
-            sub_group.update(_hyperparameters(self.param_groups[index]))
-            if index in written and "step" in sub_group:
-                sub_group["step"] = written[index]
-        self._note_group_steps()
-
-    def _hand_back_group_steps(self):
-        """Give the public groups' loaded steps to the sub-groups: a group loaded without one
-        leaves its sub-groups none, as a sub-optimizer's own load would."""
-        for sub_group, index in self._sub_groups:
-            if "step" in self.param_groups[index]:
-                sub_group["step"] = self.param_groups[index]["step"]
-            else:
-                sub_group.pop("step", None)
-        self._note_group_steps()
-
-    def _list_created_state(self):
-        """Show in ``self.state`` the entries that got state since the last look (the
-        sub-optimizers' first step creates it), with their ``master_param``."""
-        created = self._state_changes.created
-        if not created:
-            return
-        # In parameter order, whichever sub-optimizer made it first.
-        order = {id(entry): index for index, entry in enumerate(self._entries.values())}
-        for entry in sorted(created, key=lambda entry: order.get(id(entry), len(order))):
-            self._list_entry(entry)
-        created.clear()
-
-    def _list_entry(self, entry: ParamState):
-        if not entry:
-            return
-        if entry.keeps_master and MASTER not in entry:
-            dict.__setitem__(entry, MASTER, entry.inner)
-        if dict.get(self.state, entry.param) is not entry:
-            dict.__setitem__(self.state, entry.param, entry)
-
-    def _sync_sub_optimizers_state_to_hdo(self):
-        """Show every parameter's state in ``self.state``: its one entry, shared with the
-        sub-optimizer, listed once it holds state."""
-        if not isinstance(self.state, StateMap):
-            self.state = StateMap(self._entry_of)
-        for entry in self._entries.values():
-            self._list_entry(entry)
-        self._state_changes.created.clear()
-
-    def _settle_state_written_outside(self):
-        """Before a step: take home the state that clients left elsewhere.
-
-        Entries parked on the host go back to their accelerator; a ``state`` replaced as a
-        whole is adopted. Nothing is scanned when neither happened.
-        """
-        if not isinstance(self.state, StateMap):
-            self._sync_hdo_state_to_sub_optimizers()
-            return
-        for optimizer in self.sub_optimizers:
-            if not isinstance(optimizer.state, StateMap):
-                self._adopt_sub_optimizer_state(optimizer)
-        parked = self._state_changes.parked
-        if parked:
-            self._lay_out_in_place_state()
-        for entry in parked.values():
-            entry.settle()
-        parked.clear()
-
-    def _adopt_sub_optimizer_state(self, optimizer: torch.optim.Optimizer):
-        """Take in a sub-optimizer's ``state`` that was replaced as a whole (its own
-        ``load_state_dict``, say): its dicts refill the shared entries, which it gets back."""
-        replaced = optimizer.state
-        optimizer.state = self._new_sub_state_map()
-        for entry in self._entries.values():
-            if entry.optimizer is not optimizer:
-                continue
-            values = replaced.get(entry.inner)
-            if values is None:
-                dict.clear(entry)
-            elif values is not entry:
-                entry.refill(values)
-            dict.__setitem__(optimizer.state, entry.inner, entry)
-            self._list_entry(entry)
-
-    def _sync_hdo_state_to_sub_optimizers(self):
-        """Make what ``self.state`` shows the state that is stepped, wherever it was written.
-
-        Assignments into ``self.state[p]`` reach the sub-optimizer by themselves (it is the
-        same dict); this adopts what bypassed them: a ``state`` mapping or a per-parameter dict
-        replaced as a whole, or a sub-optimizer's entry replaced. Then every ``master_param``
-        is written into its inner tensor and every state tensor is moved home.
-        """
-        shown = self.state
-        replaced = not isinstance(shown, StateMap)
-        if replaced:
-            self.state = StateMap(self._entry_of)
-        for param, entry in self._entries.items():
-            value = shown.get(param)
-            if value is not None and value is not entry:
-                entry.refill(value)
-            elif replaced and value is None:
-                dict.clear(entry)
-            sub_state = self._shared_sub_state(entry.optimizer)
-            if dict.get(sub_state, entry.inner) is not entry:
-                dict.__setitem__(sub_state, entry.inner, entry)
-        self._sync_sub_optimizers_state_to_hdo()
-        self._update_fp32_params_by_new_state()
-        self._move_new_state_to_right_device()
-
-    @torch.no_grad()
-    def _update_fp32_params_by_new_state(self):
-        """Write each entry's ``master_param`` into the inner tensor it stands for, where
-        something other than that tensor was put there, and show the inner tensor again."""
-        if not self.param_update_in_fp32:
-            return
-        for entry in self._entries.values():
-            master = dict.get(entry, MASTER)
-            if isinstance(master, torch.Tensor) and master is not entry.inner:
-                entry.inner.copy_(master.reshape(entry.inner.shape))
-                dict.__setitem__(entry, MASTER, entry.inner)
-
-    def _move_new_state_to_right_device(self):
-        """Move every state tensor to where its inner tensor keeps it.
-
-        Host copies' state goes to the host, the state of tensors stepped in place to their
-        device, decided by where each inner tensor lives; the dtype becomes the one the
-        sub-optimizer keeps it in. State already home is left as it is, so nothing is
-        allocated on the accelerator for host-resident state.
-        """
-        self._lay_out_in_place_state()
-        for entry in self._entries.values():
-            entry.settle()
-        self._state_changes.parked.clear()
-
-    def _lay_out_in_place_state(self):
-        """Take the in-place moments home laid out for the flat in-place step (one block per
-        run), where a client parked them on the host between training phases."""
-        flat = self._flat_in_place_step()
-        if flat is not None:
-            flat.lay_out()
-
-    @torch.no_grad()
-    def _settle(self, inner, optimizer, live, key, value):
-        """Return the tensor that keeps a loaded ``value`` for ``inner`` from now on: the live
-        tensor, written in place, where one of the same size exists."""
-        if not isinstance(value, torch.Tensor):
-            return value
-        if key == MASTER:
-            if value is not inner:
-                inner.copy_(value.reshape(inner.shape))
-            return inner
-        if isinstance(live, torch.Tensor) and live.numel() == value.numel():
-            # A live tensor a client parked away from home is replaced, not written.
-            if (live.device, live.dtype) == home_of(inner, optimizer, key, live):
-                if live is not value:
-                    live.copy_(value.reshape(live.shape))
-                return live
-        return placed(inner, optimizer, key, value)
-
-    @torch.no_grad()
-    def update_fp32_param_by_new_param(self):
-        """Refresh every inner copy from its parameter after the parameters changed outside."""
-        for param, inner in self.param_to_inner_param.items():
-            if inner is not param:
-                inner.copy_(param.detach().view_as(inner))
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _plan_load(self, state_dict) -> Dict[torch.Tensor, Dict[str, Any]]:
-        """Check everything a load will write, changing nothing; return it per parameter
-        (:func:`~megatron.core.optimizer.state_load_checks.plan_optimizer_state_dict`).
-
-        The step and the master copies are no state every entry must hold: sub-optimizers of
-        two kinds (TE FusedAdam in place, torch AdamW on the host) keep the step in different
-        places. The optimizer's own tensors coming back (a reload of its own state dict, as
-        the distributed optimizer does) were checked when they were loaded.
-
-        Raises:
-            KeyError, ValueError: naming the problem and the parameter's id in the checkpoint.
-        """
-        return checks.plan_optimizer_state_dict(
-            state_dict,
-            self.param_groups,
-            f"{type(self).__name__}.load_state_dict",
-            live_keys={k for e in self._entries.values() for k in e},
-            optional_keys=(MASTER, "step"),
-            own_tensors={id(v) for e in self._entries.values() for v in e.values()},
-        )
-
-    @staticmethod
-    def _settle_loaded_state(self, state_dict):
-        """Load pre-hook: plan, then write every entry where its inner tensor lives.
-
-        The settled state is kept aside and torch is handed an empty one, so torch's own
-        load never casts state onto the public parameters' device. From the first write on
-        the optimizer is marked as loading; the post-hook clears the mark, so a load that
-        fails in between leaves an optimizer that refuses to step or save.
-        """
-        self._ensure_built()
-        planned, group_steps = plan_step_counts(
-            self._plan_load(state_dict),
-            state_dict["param_groups"],
-            self.param_groups,
-            lambda param: step_counter_of(self._owner[self.param_to_inner_param[param]]),
-            f"{type(self).__name__}.load_state_dict",
-        )
-        self._load_guard.failure = "load_state_dict did not complete"
-        flat = self._flat_in_place_step()
-        if flat is not None:
-            # Moments coming from elsewhere (a checkpoint read to the host) into an in-place
-            # optimizer without state land in blocks laid out for the flat step, so that its
-            # first step need not move them; moments already on the device are adopted as they
-            # are, since a block beside them would hold them twice while the caller keeps them.
-            flat.create_state(only={id(inner) for inner in self._coming_to_device(planned)})
-        loaded = {}
-        for param, values in planned.items():
-            inner = self.param_to_inner_param[param]
-            optimizer = self._owner[inner]
-            live_state = optimizer.state.get(inner, {})
-            loaded[param] = {
-                key: self._settle(inner, optimizer, live_state.get(key), key, value)
-                for key, value in values.items()
-            }
-        self._loaded_state = loaded
-        groups = [
-            {k: v for k, v in saved.items() if k not in _HDO_OPTIONS}
-            for saved in state_dict["param_groups"]
-        ]
-        for index, step in group_steps.items():  # the post-hook hands them to the sub-groups
-            if step is None:
-                groups[index].pop("step", None)
-            else:
-                groups[index]["step"] = step
-        return {**state_dict, "state": {}, "param_groups": groups}
-
-    def _coming_to_device(self, planned) -> List[torch.Tensor]:
-        """The inner tensors on an accelerator whose planned moments are all tensors elsewhere."""
-        coming = []
-        for param, values in planned.items():
-            inner = self.param_to_inner_param[param]
-            moments = [values.get(key) for key in _MOMENTS]
-            if all(isinstance(m, torch.Tensor) and m.device != inner.device for m in moments):
-                coming.append(inner)
-        return coming
-
-    @staticmethod
-    def _adopt_loaded_state(self):
-        """Load post-hook: install the settled state into the same sub-optimizers."""
-        loaded = self.__dict__.pop("_loaded_state", {})
-        self.state = StateMap(self._entry_of)
-        for param, entry in self._entries.items():
-            values = loaded.get(param, {})
-            values.pop(MASTER, None)  # already written into the inner tensor
-            dict.clear(entry)
-            dict.update(entry, values)
-            dict.__setitem__(self._shared_sub_state(entry.optimizer), entry.inner, entry)
-            self._list_entry(entry)
-        self._state_changes.created.clear()
-        self._state_changes.parked.clear()
-        self._sync_hdo_param_groups_to_sub_optimizers()
-        self._hand_back_group_steps()
-        self._load_guard.failure = None
-
-    @staticmethod
-    def _refuse_after_a_failed_load(self):
-        """State-dict pre-hook: a half-written state is not saved."""
-        self._load_guard.check("save its state")
-
-    @staticmethod
-    def _state_as_plain_dicts(self, state_dict):
-        """State-dict post-hook: each parameter's state as a plain dict of its own, so that a
-        checkpoint holds no class of this module and later changes to it leave the live state
-        alone."""
-        state_dict["state"] = {key: dict(entry) for key, entry in state_dict["state"].items()}
-        return state_dict
-
-    def _register_load_state_dict_hooks(self):
-        """Register the checkpoint hooks (once): loads cast each entry where its inner tensor
-        lives, and saved state is made of plain dicts."""
-        if getattr(self, "_checkpoint_hooks", None) is not None:
-            return
-        self._checkpoint_hooks = (
-            self.register_load_state_dict_pre_hook(HybridDeviceOptimizer._settle_loaded_state),
-            self.register_load_state_dict_post_hook(HybridDeviceOptimizer._adopt_loaded_state),
-            self.register_state_dict_pre_hook(HybridDeviceOptimizer._refuse_after_a_failed_load),
-            self.register_state_dict_post_hook(HybridDeviceOptimizer._state_as_plain_dicts),
-        )
+        ``_cpu_optimizer_map_data_event`` (where CUDA exists); see
+        :meth:`HostBucket.download`."""
+        self._buckets[index].download(self._ring)
 
     # ------------------------------------------------------------------ misc API
 

@@ -5,7 +5,7 @@ Torch's fused host Adam visits the tensors of its list one by one, each in a par
 of its own, and gathers them in Python first; with thousands of small shards (a GPT or MoE
 model under the distributed optimizer) that per-tensor cost is a large part of the step. A
 packed bucket's host copies are already views into one block laid out as their gradients are
-staged (:func:`~.hybrid_optimizer_copies.pack_host_copies`); once their moments are laid out
+staged (:meth:`~.hybrid_optimizer_buckets.PackedCopies.pack`); once their moments are laid out
 alike, a run of adjacent copies is one tensor for the kernel, and the bucket is one call. A
 bucket of one copy (a parameter larger than the bucket cap) is stepped the same way over the
 copy itself: the kernel call alone, without the sub-optimizer's Python around it (gathering
@@ -35,14 +35,20 @@ from itertools import repeat
 from typing import List, Optional, Tuple
 
 import torch
-from torch.optim import optimizer as _torch_optimizer
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import _typed_view
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
+    MOMENT_NAMES,
+    adam_kernel,
+    fused_kernel_settings,
+    hooked,
+    scaled,
+    share_memory,
+    tensor_marks,
+    typed_view,
+)
 
 # Bytes of one cache line: the kernel's unit of work and, at most, its vector width.
 _LINE_BYTES = 64
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def flat_runs(layout: List[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
@@ -81,36 +87,6 @@ def suits(optimizer: torch.optim.Optimizer, hosts: List[torch.Tensor]) -> bool:
     return len(dtypes) == 1 and hosts[0].is_floating_point() and not hosts[0].is_complex()
 
 
-def fused_kernel_settings(group) -> Optional[dict]:
-    """The arguments of torch's fused Adam kernel for ``group`` (``decoupled`` tells AdamW's
-    from Adam's), or None where its step is not that one call: not fused, amsgrad, a learning
-    rate on an accelerator, tensor betas."""
-    decoupled = group.get("decoupled_weight_decay")
-    if not group.get("fused") or group.get("amsgrad") or group.get("differentiable"):
-        return None
-    if group.get("foreach"):  # torch refuses it beside fused (or a tensor lr): let it say so
-        return None
-    if decoupled is None or group.get("capturable"):
-        return None
-    lr, (beta1, beta2) = group["lr"], group["betas"]
-    if isinstance(lr, torch.Tensor) and lr.device.type != "cpu":
-        return None
-    if isinstance(beta1, torch.Tensor) or isinstance(beta2, torch.Tensor):
-        return None
-    return dict(
-        decoupled=decoupled,
-        amsgrad=False,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        maximize=group.get("maximize", False),
-        grad_scale=None,
-        found_inf=None,
-    )
-
-
 class FlatAdamStep:
     """Steps a host bucket's runs of copies in one fused Adam call.
 
@@ -143,7 +119,7 @@ class FlatAdamStep:
                 if raw is None:
                     views.append(hosts[first])
                 elif single:
-                    views.append(_typed_view(raw, start, hosts[first]))
+                    views.append(typed_view(raw, start, hosts[first]))
                 else:
                     views.append(raw[start:end].view(hosts[first].dtype))
         self._numels = [p.numel() for p in self._params]
@@ -151,17 +127,24 @@ class FlatAdamStep:
 
     # ------------------------------------------------------------------ stepping
 
+    def applies(self) -> bool:
+        """Whether the sub-optimizer's settings make its step one fused kernel call, with no
+        hook or gradient scaler to see it."""
+        if fused_kernel_settings(self.optimizer.param_groups[0]) is None:
+            return False
+        return not hooked(self.optimizer) and not scaled(self.optimizer)
+
     @torch.no_grad()
     def step(self) -> bool:
         """Step the bucket flat, if its state allows; False (nothing done) if not, and the
         sub-optimizer must step it. Every copy must have its slot view as its gradient."""
         group = self.optimizer.param_groups[0]
         settings = fused_kernel_settings(group)
-        if settings is None or _hooked(self.optimizer) or _scaled(self.optimizer):
+        if settings is None or hooked(self.optimizer) or scaled(self.optimizer):
             return False
         counters, moments = self._state()
         if not any(self.entries):
-            counters, moments = self._create_state()
+            counters, moments = self.create_state()
         seen = _look(counters, moments)
         if seen is None or (seen != self._seen and not self._laid_out(counters, moments)):
             self._seen = None
@@ -173,8 +156,7 @@ class FlatAdamStep:
             self._seen = None
             return False
         steps.add_(1)
-        kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
-        kernel(  # pylint: disable=protected-access
+        adam_kernel(settings)(
             self._params,
             self._grads,
             *(self._run_views(values) for values in moments),
@@ -188,20 +170,24 @@ class FlatAdamStep:
     def _state(self):
         """Each entry's counter and moments, as lists (None where one is missing)."""
         counters = list(map(dict.get, self.entries, repeat("step")))
-        moments = [list(map(dict.get, self.entries, repeat(key))) for key in _MOMENTS]
+        moments = [list(map(dict.get, self.entries, repeat(key))) for key in MOMENT_NAMES]
         return counters, moments
 
-    def _create_state(self):
+    def create_state(self):
         """Give every copy the state torch's fused Adam creates on its first step (a zero
         host counter in fp32, zero moments), laid out: the counters in one vector, the
-        moments in one block per key."""
+        moments in one block per key.
+
+        Returns:
+            The counters and moments, as the step reads them.
+        """
         hosts = self.optimizer.param_groups[0]["params"]
         steps = torch.zeros(len(self.entries), dtype=torch.float32)
-        blocks = [torch.zeros(self._nbytes, dtype=torch.uint8) for _ in _MOMENTS]
+        blocks = [torch.zeros(self._nbytes, dtype=torch.uint8) for _ in MOMENT_NAMES]
         for index, (entry, host, offset) in enumerate(zip(self.entries, hosts, self._offsets)):
             entry["step"] = steps[index]
-            for key, block in zip(_MOMENTS, blocks):
-                entry[key] = _typed_view(block, offset, host)
+            for key, block in zip(MOMENT_NAMES, blocks):
+                entry[key] = typed_view(block, offset, host)
         return self._state()
 
     def _run_views(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -251,7 +237,7 @@ class FlatAdamStep:
             if _in_one_block(values, offsets, nbytes):
                 continue
             block = torch.empty(nbytes, dtype=torch.uint8)
-            views = [_typed_view(block, offset, value) for value, offset in zip(values, offsets)]
+            views = [typed_view(block, offset, value) for value, offset in zip(values, offsets)]
             torch._foreach_copy_(views, values)  # pylint: disable=protected-access
             for value, view in zip(values, views):
                 value.data = view
@@ -266,28 +252,6 @@ def _fits(value, host: torch.Tensor) -> bool:
         and value.numel() == host.numel()
         and value.is_contiguous()
     )
-
-
-def share_memory(values) -> bool:
-    """Whether any two of the tensors among ``values`` share memory (on one device); other
-    values and empty tensors are passed over."""
-    spans = sorted(
-        (value.device.type, value.device.index, value.data_ptr(), value.data_ptr() + value.nbytes)
-        for value in values
-        if isinstance(value, torch.Tensor) and value.nbytes
-    )
-    return any(a[:2] == b[:2] and b[2] < a[3] for a, b in zip(spans, spans[1:]))
-
-
-def tensor_marks(tensors: List[torch.Tensor]) -> Tuple[tuple, tuple]:
-    """Which tensors these are and where their memory is, as numbers (nothing kept alive).
-
-    A tensor is named by ``object.__hash__``, which no other live object shares, rather than
-    by ``id``: ``id`` raises an audit event, and where an audit hook is installed (filelock,
-    which torch and megatron import, installs one) each call runs that hook in Python, several
-    times the cost, on thousands of tensors a step.
-    """
-    return tuple(map(object.__hash__, tensors)), tuple(map(torch.Tensor.data_ptr, tensors))
 
 
 def _look(counters, moments) -> Optional[tuple]:
@@ -328,18 +292,3 @@ def _in_one_block(values: List[torch.Tensor], offsets: List[int], nbytes: int) -
         value.untyped_storage().data_ptr() == base and value.data_ptr() - base == offset
         for value, offset in zip(values, offsets)
     )
-
-
-def _scaled(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a gradient scaler left ``optimizer`` a scale or an inf flag for its step."""
-    return getattr(optimizer, "grad_scale", None) is not None or (
-        getattr(optimizer, "found_inf", None) is not None
-    )
-
-
-def _hooked(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether step hooks would see ``optimizer``'s step (its own, or every optimizer's)."""
-    # pylint: disable=protected-access
-    own = optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-    every = _torch_optimizer._global_optimizer_pre_hooks
-    return bool(own or every or _torch_optimizer._global_optimizer_post_hooks)

@@ -11,9 +11,9 @@ The kernel is elementwise, reading each tensor's own counter, so a run of clones
 to back, with their moments laid out alike and counters of one value, can be handed to it as
 one tensor with the first one's counter. The state is made as torch's first step would make it
 (a zero fp32 counter per clone, zero moments) but with the moments in one block per run
-(:func:`~hybrid_optimizer_flat_in_place.create_laid_out_state`); moments made otherwise (by
+(:func:`~hybrid_optimizer_kernels.create_laid_out_state`); moments made otherwise (by
 torch's own step, a load, a client) are moved into such blocks once, re-pointed with ``.data``
-so that the entries keep their tensors (:func:`~hybrid_optimizer_flat_in_place.lay_out_moments`).
+so that the entries keep their tensors (:func:`~hybrid_optimizer_kernels.lay_out_moments`).
 The counters stay one per parameter, every one of them stepped; made here, each group's are the
 scalars of one vector, which one add steps and one copy reads. Their values are read every
 step, and runs are cut where they differ, so a clone that missed a step, or whose counter a
@@ -28,20 +28,18 @@ from typing import List, Optional, Set, Tuple
 import torch
 from torch._utils import _unflatten_dense_tensors
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_in_place import (
-    _MOMENTS,
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
+    MOMENT_NAMES,
     PLAIN_TENSORS,
-    FlatInPlaceStep,
-    _Layout,
+    RunLayout,
+    adam_kernel,
     create_laid_out_state,
-    lay_out_moments,
-    state_entries,
-)
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
-    _hooked,
-    _scaled,
     fused_kernel_settings,
+    hooked,
+    lay_out_moments,
+    scaled,
     share_memory,
+    state_entries,
     tensor_marks,
 )
 
@@ -117,7 +115,7 @@ class _GroupPlan:
         # view over them is cut each step from the first counter, not kept: held here, it
         # would keep their memory after a client moved or dropped the state.
         self.counters_in_vector = _one_vector(counters)
-        layout = _Layout(params)
+        layout = RunLayout(params)
         self.numels = layout.numels
         self.layout_runs: Optional[List[KernelRun]] = None
         if layout.dense and all(map(layout.holds, moments)):
@@ -189,7 +187,7 @@ class FusedListStep:
         optimizer = self.optimizer
         if type(optimizer) not in FUSED_TORCH_CLASSES or "step" in vars(optimizer):
             return None
-        if not _torch_own_step(type(optimizer)) or _hooked(optimizer) or _scaled(optimizer):
+        if not _torch_own_step(type(optimizer)) or hooked(optimizer) or scaled(optimizer):
             return None
         settings = list(map(fused_kernel_settings, optimizer.param_groups))
         if any(s is None or isinstance(s["lr"], torch.Tensor) for s in settings):
@@ -202,7 +200,7 @@ class FusedListStep:
         groups = []
         for group in self.optimizer.param_groups:
             entries = entries_of(group["params"])
-            state = [list(map(dict.get, entries, repeat(key))) for key in ("step",) + _MOMENTS]
+            state = [list(map(dict.get, entries, repeat(key))) for key in ("step",) + MOMENT_NAMES]
             groups.append((group["params"], *state))
         return groups
 
@@ -254,7 +252,7 @@ class FusedListStep:
             for (_, group_counters, _, _), plan, lists, kwargs in zip(
                 groups, self._plans, calls, settings
             ):
-                kernel = torch._fused_adamw_ if kwargs.pop("decoupled") else torch._fused_adam_
+                kernel = adam_kernel(kwargs)
                 vector = plan.counter_vector(group_counters)
                 if vector is not None:
                     vector.add_(1)  # the same fp32 add as torch's, in one kernel
@@ -368,12 +366,3 @@ def _marks(tensors: List[torch.Tensor]) -> Optional[tuple]:
 def _flat(groups) -> List[torch.Tensor]:
     """Every tensor of the groups, group by group: parameters, counters, moments."""
     return [t for tensors in groups for values in tensors for t in values]
-
-
-def in_place_step(optimizer: torch.optim.Optimizer):
-    """The step that spares ``optimizer`` its walk over the parameters: over runs for TE's
-    FusedAdam (:class:`FlatInPlaceStep`), by its kernel for torch's own fused Adam and AdamW
-    (:class:`FusedListStep`)."""
-    if type(optimizer) in FUSED_TORCH_CLASSES:
-        return FusedListStep(optimizer)
-    return FlatInPlaceStep(optimizer)

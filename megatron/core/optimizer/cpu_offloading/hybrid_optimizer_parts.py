@@ -24,11 +24,12 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_flat_step import (
-    _MOMENTS,
-    _hooked,
-    _scaled,
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
+    MOMENT_NAMES,
+    adam_kernel,
     fused_kernel_settings,
+    hooked,
+    scaled,
     share_memory,
 )
 
@@ -131,9 +132,9 @@ class PartedCopy:
                 self._gathered = None
             return list(range(len(self.ranges)))
         settings = dict(self._settings)
-        kernel = torch._fused_adamw_ if settings.pop("decoupled") else torch._fused_adam_
-        moments = [self.entry[key].view(-1)[start:stop] for key in _MOMENTS]
-        kernel(  # pylint: disable=protected-access
+        kernel = adam_kernel(settings)
+        moments = [self.entry[key].view(-1)[start:stop] for key in MOMENT_NAMES]
+        kernel(
             [self.host.view(-1)[start:stop]],
             [grad],
             [moments[0]],
@@ -148,7 +149,7 @@ class PartedCopy:
         """The fused kernel's arguments for this step, or None where its step is not that
         kernel over the entry's state as it is."""
         optimizer = self.optimizer
-        if _hooked(optimizer) or _scaled(optimizer):
+        if hooked(optimizer) or scaled(optimizer):
             return None
         if self.entry and not self._stepped_as_created():
             return None
@@ -163,7 +164,7 @@ class PartedCopy:
             return False
         if step.dtype != torch.float32:
             return False
-        moments = [self.entry.get(key) for key in _MOMENTS]
+        moments = [self.entry.get(key) for key in MOMENT_NAMES]
         for value in moments:
             if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
                 return False
@@ -179,5 +180,5 @@ class PartedCopy:
         and zero moments shaped like the copy."""
         host = self.host
         self.entry["step"] = torch.zeros((), dtype=torch.float32)
-        for key in _MOMENTS:
+        for key in MOMENT_NAMES:
             self.entry[key] = torch.zeros_like(host, memory_format=torch.preserve_format)

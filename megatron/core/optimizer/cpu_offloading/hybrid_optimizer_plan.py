@@ -5,7 +5,9 @@ Made before anything is allocated, from the host sub-optimizers and the map from
 to its accelerator parameter, so it runs the same over meta tensors (``benchmarks/hdo_pin_plan.py``
 plans the benchmark's cases on a machine without a GPU with these very functions; a meta
 parameter stands for one on the accelerator). Each way to bucket the copies, one per cap, is
-planned in full and the one that leaves the fewest bytes of host copies pageable is kept.
+planned in full and the one that leaves the fewest bytes of host copies pageable is kept. The
+budget is what megatron-core 0.19.2 keeps pinned for the same parameters; within it the ring
+gets its slots first, then host copies are pinned in upload order.
 """
 
 import dataclasses
@@ -13,15 +15,12 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_copies import (
-    _Bucket,
-    _nbytes,
-    pinned_block_bytes,
-    plan_pinned_host_memory,
-    slot_sizes,
-    upstream_pinned_bytes,
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import (
+    HostBucket,
+    make_buckets,
+    on_accelerator,
 )
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import can_part, part_ranges
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import tensor_nbytes
 
 # Each staged gradient starts at a multiple of this many bytes (vector loads stay aligned).
 GRAD_ALIGN = 64
@@ -32,9 +31,117 @@ def staged_offset(end: int) -> int:
     return -(-end // GRAD_ALIGN) * GRAD_ALIGN
 
 
-def on_accelerator(param: torch.Tensor) -> bool:
-    """Whether ``param`` lives where the copies cross a bus: CUDA, or meta in a plan alone."""
-    return param.is_cuda or param.is_meta
+def pinned_block_bytes(nbytes: int) -> int:
+    """Bytes the caching host allocator holds for a pinned allocation of ``nbytes``: it asks
+    CUDA for blocks of a power of two."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def upstream_pinned_bytes(
+    copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool, held: bool = False
+) -> int:
+    """Pinned bytes megatron-core 0.19.2's HDO keeps for these offloaded parameters.
+
+    It keeps a gradient buffer in the host copy's dtype (pinned if ``pin_grads``) and pins
+    a copy of each parameter, which stays only when it is the host copy itself (no fp32
+    update); a widened copy replaces it with pageable fp32.
+
+    Args:
+        copies: ``(host copy, accelerator parameter)`` per offloaded parameter.
+        pin_grads: upstream's ``pin_cpu_grads``.
+        held: count each allocation as the block the host allocator holds for it
+            (:func:`pinned_block_bytes`), what the process pins, rather than its bytes.
+    """
+    size = pinned_block_bytes if held else int
+    total = 0
+    for host, param in copies:
+        if pin_grads:
+            total += size(tensor_nbytes(host))
+        if host.dtype == param.dtype:
+            total += size(tensor_nbytes(param))
+    return total
+
+
+def plan_pinned_host_memory(
+    bucket_nbytes: List[int],
+    master_nbytes: List[int],
+    budget: int,
+    max_slots: int,
+    pin_slots: bool = True,
+    block: Callable[[int], int] = int,
+) -> Tuple[int, List[bool]]:
+    """How many gradient slots the ring gets and which host copies are pinned.
+
+    The ring comes first, since every download needs a slot: up to ``max_slots`` slots, each
+    as large as the largest bucket staged in it (:func:`slot_sizes`), fewer if they would
+    exceed ``budget``, but at least one; and down to two while one slot fewer lets more host
+    copies be pinned. A ring never holds more than all buckets together, since each slot is
+    one of them. Host copies are then pinned in upload order, each one that still fits within
+    ``budget``; those left pageable go up through their bucket's slot.
+
+    Args:
+        bucket_nbytes: bytes of each bucket's staged gradients (buckets with any).
+        master_nbytes: bytes of each host copy that may be pinned, in upload order.
+        budget: the most pinned bytes allowed (what upstream keeps pinned).
+        max_slots: ring slots wanted.
+        pin_slots: whether the slots are pinned (count against ``budget``).
+        block: what a pinned allocation of so many bytes costs against ``budget`` (e.g.
+            :func:`pinned_block_bytes`, with a budget counted the same way).
+
+    Returns:
+        ``(slots, pinned)``: the slot count (0 without buckets) and a flag per host copy.
+    """
+    if not bucket_nbytes:
+        return 0, [False] * len(master_nbytes)
+
+    def ring(slots):
+        return sum(block(nbytes) for nbytes in slot_sizes(bucket_nbytes, slots))
+
+    def pins(slots):
+        used = ring(slots) if pin_slots else 0
+        pinned = []
+        for nbytes in master_nbytes:
+            pinned.append(used + block(nbytes) <= budget)
+            used += block(nbytes) if pinned[-1] else 0
+        return pinned, sum(block(n) for n, pin in zip(master_nbytes, pinned) if pin)
+
+    slots = min(max_slots, len(bucket_nbytes))
+    while pin_slots and slots > 1 and ring(slots) > budget:
+        slots -= 1
+    pinned, pinned_bytes = pins(slots)
+    # Two slots already keep each download a whole host step ahead (a bucket comes down
+    # faster than the host steps it); a slot beyond them is not worth a host copy left
+    # pageable, whose upload is staged on the calling thread at every step.
+    while pin_slots and slots > 2:
+        fewer, fewer_bytes = pins(slots - 1)
+        if fewer_bytes <= pinned_bytes:
+            break
+        slots, pinned, pinned_bytes = slots - 1, fewer, fewer_bytes
+    return slots, pinned
+
+
+def sized_bucket_bytes(
+    staged_bytes: int, most: int, buckets: int = 8, least: int = 16 << 20
+) -> int:
+    """A bucket cap for ``staged_bytes`` of offloaded copies: the largest power of two at most
+    ``staged_bytes / buckets``, within ``least`` and ``most`` (copies larger than the cap still
+    make a bucket each).
+
+    The pipeline's ends (the first download, the last upload) and each ring slot are a bucket
+    long, so where few buckets hold everything (a data-parallel rank's shards of a small model)
+    a fixed cap leaves those ends a large part of the step and the ring most of the pinned
+    budget; below ``least`` the calling thread's work per bucket would outweigh that.
+    """
+    if staged_bytes <= 0:
+        return most
+    share = max(staged_bytes // buckets, 1)
+    return max(min(1 << (share.bit_length() - 1), most), min(least, most))
+
+
+def slot_sizes(bucket_nbytes: List[int], slots: int) -> List[int]:
+    """Bytes of each ring slot when the k-th bucket stages in slot ``k % slots``: the largest
+    of its own buckets (one large embedding then takes one large slot, not all of them)."""
+    return [max(bucket_nbytes[first::slots]) for first in range(slots)]
 
 
 @dataclasses.dataclass
@@ -56,7 +163,7 @@ class HostPlan:
 
     cap: int
     optimizers: List[torch.optim.Optimizer]
-    buckets: List[_Bucket]
+    buckets: List[HostBucket]
     staged: List[int]
     units: List[Tuple[Any, int]]
     slots: int
@@ -89,13 +196,13 @@ def lay_out_buckets(
     optimizers: Iterable[torch.optim.Optimizer],
     param_of: Dict[torch.Tensor, torch.Tensor],
     part_bytes: int,
-) -> List[_Bucket]:
+) -> List[HostBucket]:
     """The pipeline's buckets for these host sub-optimizers, in step order, each offloaded
     copy's gradient at its offset in a slot; a sub-optimizer's only copy larger than
     ``part_bytes`` (0: none) makes one bucket per part where it can be stepped in parts.
     ``param_of`` maps each offloaded host copy to its parameter; other host parameters stage
     nothing."""
-    buckets: List[_Bucket] = []
+    buckets: List[HostBucket] = []
     for optimizer in optimizers:
         grads, end = [], 0
         for group in optimizer.param_groups:
@@ -104,44 +211,17 @@ def lay_out_buckets(
                 if param is not None:
                     offset = staged_offset(end)
                     grads.append((host, param, offset))
-                    end = offset + _nbytes(host)
-        buckets.extend(_buckets_of(optimizer, grads, end, part_bytes))
+                    end = offset + tensor_nbytes(host)
+        buckets.extend(make_buckets(optimizer, grads, end, part_bytes))
     return buckets
 
 
-def _buckets_of(optimizer, grads, nbytes: int, part_bytes: int) -> List[_Bucket]:
-    if len(grads) == 1 and part_bytes and nbytes > part_bytes:
-        host, param, _ = grads[0]
-        if param.is_contiguous() and can_part(optimizer, host):
-            size = host.element_size()
-            return [
-                _Bucket(
-                    optimizer,
-                    grads,
-                    (stop - start) * size,
-                    hosts=[host],
-                    params=[param],
-                    part=(start, stop),
-                )
-                for start, stop in part_ranges(host.numel(), size, part_bytes)
-            ]
-    bucket = _Bucket(optimizer, grads, nbytes)
-    bucket.hosts = [host for host, _, _ in grads]
-    bucket.params = [param for _, param, _ in grads]
-    bucket.packed = len(grads) > 1 and len({p.device for p in bucket.params}) == 1
-    return [bucket]
-
-
-def pinnable_units(buckets: Sequence[_Bucket]) -> List[Tuple[Any, int]]:
+def pinnable_units(buckets: Sequence[HostBucket]) -> List[Tuple[Any, int]]:
     """What of these buckets' host copies may be pinned, in upload order (see
     :attr:`HostPlan.units`): copies of accelerator parameters only."""
     units: List[Tuple[Any, int]] = []
     for index, bucket in enumerate(buckets):
-        crossing = [host for host, param, _ in bucket.grads if on_accelerator(param)]
-        if bucket.packed and crossing:
-            units.append((index, bucket.nbytes))
-        elif bucket.part is None or bucket.part[0] == 0:
-            units.extend((host, _nbytes(host)) for host in crossing)
+        units.extend(bucket.pinnable_units(index))
     return units
 
 
