@@ -39,6 +39,7 @@ is why the harness keeps megatron-core's default of scaling before a summing col
 
 import contextlib
 import datetime
+import importlib.util
 import logging
 import os
 import warnings
@@ -98,6 +99,21 @@ class _HostStream:
 
     def record_event(self, event=None):  # pylint: disable=missing-function-docstring
         return event
+
+
+def cpu_world_problem():
+    """Why a CPU world cannot run in this environment, or None.
+
+    Where Transformer Engine is installed, megatron-core clips gradients (and scales them) with
+    TE's multi-tensor kernels, which run on CUDA memory only; a CPU world's tensors would reach
+    them. Such a host runs the NCCL world instead (``MULTIRANK_DEVICE=cuda``).
+    """
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return (
+            "Transformer Engine is installed: megatron-core would run its CUDA multi-tensor "
+            "kernels on the CPU world's tensors (use MULTIRANK_DEVICE=cuda)"
+        )
+    return None
 
 
 def install_cpu_stand_ins():

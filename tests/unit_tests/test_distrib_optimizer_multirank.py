@@ -31,6 +31,7 @@ pytestmark = pytest.mark.multirank
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core.optimizer.distrib_optimizer_formats")
 
+from resume_harness.cpu_world import cpu_world_problem  # noqa: E402  pylint: disable=C0413
 from resume_harness.multirank import run_world  # noqa: E402  pylint: disable=wrong-import-position
 from resume_harness.multirank_plan import worlds  # noqa: E402  pylint: disable=C0413
 
@@ -40,6 +41,8 @@ MAX_WORLD = int(os.environ.get("MULTIRANK_MAX_WORLD", "0")) or None
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip("MULTIRANK_DEVICE=cuda without CUDA", allow_module_level=True)
+if DEVICE == "cpu" and cpu_world_problem():
+    pytest.skip(cpu_world_problem(), allow_module_level=True)
 
 PLAN = worlds(FULL, DEVICE, MAX_WORLD)
 

@@ -319,8 +319,11 @@ def test_slime_reset_through_the_distributed_optimizer_on_cpu_ranks(tmp_path):
     # pylint: disable=import-outside-toplevel
     import json
 
+    from resume_harness.cpu_world import cpu_world_problem
     from resume_harness.multirank import free_port
 
+    if cpu_world_problem():
+        pytest.skip(cpu_world_problem())
     torch.multiprocessing.start_processes(
         reset_flow_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn"
     )
