@@ -16,7 +16,7 @@ Modules, in the order a run meets them:
 - ``measure``: GPU peaks per load phase, optimizer state by place, the loader's log;
 - ``snapshots``: snapshots of a run and their bit-exact comparison;
 - ``results``: the files the jobs write, and the merge of the ranks' parts;
-- ``tables``: tables of DistributedOptimizer results, upstream beside the fork;
+- ``distopt_report``: tables of DistributedOptimizer resume results, upstream beside the fork;
 - ``hdo_check``, ``hdo_report``: the main job's single-process HybridDeviceOptimizer check,
   its table and plot; ``main_job``: its DistributedOptimizer part and the verdict.
 
@@ -37,6 +37,7 @@ from .cases import (
 )
 from .cli import main, parse_args
 from .controls import CONTROL_PAIR, control_failure, with_controls
+from .distopt_report import report, side_by_side
 from .jobs import load_one, run_load, run_save
 from .measure import (
     PAGE_CACHE_ENV,
@@ -50,7 +51,6 @@ from .orchestrator import drive
 from .results import MANIFEST, merge_case, merge_rank_files
 from .snapshots import compare, snapshot
 from .table import DTYPES, IMPLEMENTATIONS, MOMENT_KEYS, OFFLOAD_FRACTIONS
-from .tables import report, side_by_side
 from .worker import (
     FOLLOW_UP_STREAM,
     LOAD_SEED,

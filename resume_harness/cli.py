@@ -47,10 +47,10 @@ import os
 from . import table
 from .cases import FFN, HIDDEN, Shape, selected_cases
 from .controls import control_failure, with_controls
+from .distopt_report import report
 from .jobs import run_load, run_save
 from .orchestrator import drive
 from .results import write_json
-from .tables import report
 from .worker import Rank, select_implementation
 
 EPILOG = """\

@@ -11,7 +11,7 @@ import os
 import torch
 
 from . import table
-from .tables import side_by_side
+from .distopt_report import side_by_side
 
 # Both implementations run the main job's model in bf16, as Megatron-LM trains with offload.
 DTYPE = "bf16"

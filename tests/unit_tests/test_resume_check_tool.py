@@ -14,7 +14,7 @@ except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests.fork_tools import import_harness, load_tool
 
 main_job = import_harness("main_job")
-tables = import_harness("tables")
+distopt_report = import_harness("distopt_report")
 hdo_report = import_harness("hdo_report")
 
 
@@ -116,7 +116,7 @@ def test_the_last_table_puts_upstream_beside_the_fork(capsys):
         "w2-bf16-off0-x-fork2fork": {"skipped": "no TE"},
         "w2-bf16-off0-x-upstream2upstream": {"skipped": "no TE"},
     }
-    tables.side_by_side(results)
+    distopt_report.side_by_side(results)
     lines = capsys.readouterr().out.splitlines()
 
     def rows(name):
