@@ -8,6 +8,8 @@ attributes when they run, never copies taken at import, so a test can swap the t
 """
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -35,16 +37,41 @@ class Format:
     default_of: Optional[str] = None
 
 
-FORMAT_ROWS = (
-    # save_parameter_state/load_parameter_state plus the optimizer's state_dict.
-    Format("legacy", dist_checkpoint=False, default_of="torch"),
-    Format("dp_zero_gather_scatter", dist_checkpoint=True),
-    Format("dp_reshardable", dist_checkpoint=True, default_of="torch_dist"),
-    Format("fully_reshardable", dist_checkpoint=True),
-    # 0.19.2's dist_checkpointing refuses the flattened ShardedTensors it is made of, whichever
-    # implementation writes them: accepted on the command line, never expected to pass.
-    Format("fully_sharded_model_space", dist_checkpoint=True, round_trips=False),
-)
+def _format_registry():
+    """The fork's registry of parameter-state formats (``distrib_optimizer_formats``), read
+    from this checkout's tree: it imports nothing, so it loads whichever implementation a
+    process runs."""
+    path = (
+        Path(__file__).resolve().parents[1] / "megatron/core/optimizer/distrib_optimizer_formats.py"
+    )
+    spec = importlib.util.spec_from_file_location("_fork_format_registry", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _format_rows():
+    """legacy (``save_parameter_state``/``load_parameter_state`` plus the optimizer's
+    ``state_dict``), then every format of the registry that a sharded state dict describes."""
+    registry = _format_registry()
+    # The Megatron-LM --ckpt-format that writes a format without further flags.
+    defaults = {registry.DP_RESHARDABLE: "torch_dist"}
+    # 0.19.2's dist_checkpointing refuses the flattened ShardedTensors this one is made of,
+    # whichever implementation writes them: accepted on the command line, never expected to pass.
+    unreadable = {registry.FULLY_SHARDED_MODEL_SPACE}
+    return (Format("legacy", dist_checkpoint=False, default_of="torch"),) + tuple(
+        Format(
+            name,
+            dist_checkpoint=True,
+            round_trips=name not in unreadable,
+            default_of=defaults.get(name),
+        )
+        for name, fmt in registry.FORMATS.items()
+        if fmt.builder is not None
+    )
+
+
+FORMAT_ROWS = _format_rows()
 
 
 @dataclasses.dataclass(frozen=True)
