@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-from . import multirank_faults
+from . import multirank_faults, table
 from .multirank_rank import (
     FAILURES,
     FOLLOW_UP_STREAM,
@@ -40,10 +40,10 @@ from .multirank_rank import (
 from .snapshots import compare, snapshot
 from .worker import release
 
-# Formats whose checkpoint a world of another data-parallel size must load exactly; the others
-# must be refused. dp_reshardable keeps each bucket's unpadded state whole, so only the
-# data-parallel size (not TP or PP) may change.
-RESHARDING_FORMATS = ("legacy", "dp_zero_gather_scatter", "fully_reshardable", "dp_reshardable")
+# Formats whose checkpoint a world of another data-parallel size must load exactly (every one
+# that round-trips); the others must be refused. dp_reshardable keeps each bucket's unpadded
+# state whole, so only the data-parallel size (not TP or PP) may change.
+RESHARDING_FORMATS = tuple(table.format_names(round_trips=True))
 
 
 def _error_text(error):

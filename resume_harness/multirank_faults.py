@@ -32,6 +32,7 @@ import traceback
 
 import torch
 
+from . import table
 from .cases import Case
 from .multirank_rank import (
     FAILURES,
@@ -54,12 +55,12 @@ from .worker import distributed_optimizers
 FAULT_OFFLOAD = 0.5
 FAULTY_RANK = 1
 FAULT_FORMATS = {
-    "other-model": ("legacy", "dp_zero_gather_scatter", "dp_reshardable", "fully_reshardable"),
+    "other-model": tuple(table.format_names(round_trips=True)),
     # A dist-checkpoint file cut short fails the read on its rank alone: dist_checkpointing
     # does not tell the other ranks, which wait for it in the optimizer's agreement.
     "truncated": ("legacy",),
     "nonfinite": ("legacy",),
-    "write": ("legacy", "dp_zero_gather_scatter", "dp_reshardable", "fully_reshardable"),
+    "write": tuple(table.format_names(round_trips=True)),
 }
 """Fault name -> the formats it is injected into."""
 
