@@ -32,7 +32,9 @@ from .multirank_rank import (
     build,
     checkpoint_folder,
     load,
+    load_memory_result,
     model_space_mismatches,
+    reference_snapshot,
     resume_result,
     save,
     train,
@@ -61,9 +63,10 @@ def _verdict(body, *args):
 def _resume(world, spec, cell, folder, reference):
     model, optimizer = build(cell, LOAD_SEED, spec.device)
     load(cell, model, optimizer, folder, spec.implementation)
+    problem = load_memory_result(reference, optimizer)
     train(model, optimizer, cell, FOLLOW_UP_STREAM, STEPS_AFTER, spec.device)
     del world
-    return resume_result(reference, model, optimizer)
+    return problem or resume_result(reference, model, optimizer)
 
 
 def _reshard(world, spec, cell, folder, reference):
@@ -73,9 +76,10 @@ def _reshard(world, spec, cell, folder, reference):
     differences = model_space_mismatches(model, optimizer, record)
     if differences:
         return f"loaded state differs from the saved one in model space: {differences[:4]}"
+    problem = load_memory_result(reference, optimizer)
     train(model, optimizer, cell, FOLLOW_UP_STREAM, STEPS_AFTER, spec.device)
     del world
-    return resume_result(reference, model, optimizer)
+    return problem or resume_result(reference, model, optimizer)
 
 
 def _refused(world, spec, cell, folder, saved_size):
@@ -109,7 +113,7 @@ def _reference(world, spec, root, cells, verdicts):
             save, cell, model, optimizer, folder, world
         )
     train(model, optimizer, cells[0], FOLLOW_UP_STREAM, STEPS_AFTER, spec.device)
-    return snapshot(model, optimizer)
+    return reference_snapshot(model, optimizer)
 
 
 def _loads(world, spec, root, cell, reference):

@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .cases import FFN, HIDDEN, Case
+from .measure import optimizer_state_bytes
 from .snapshots import compare, snapshot
 from .worker import distributed_optimizers, load_checkpoint, needs_priming, prime, save_checkpoint
 
@@ -252,6 +253,34 @@ def load(cell, model, optimizer, folder, implementation):
     if needs_priming(cell.case, implementation, optimizer, "auto"):
         prime(optimizer)
     load_checkpoint(cell.case, model, optimizer, folder, _NoPeaks())
+
+
+def host_state_bytes(optimizer):
+    """Host memory this rank's optimizers hold for their state: their state tensors on the
+    host (each storage once) and, where CUDA exists, the pinned memory in use."""
+    found = optimizer_state_bytes(optimizer)["host_all"]
+    if torch.cuda.is_available():
+        found += torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+    return found
+
+
+def reference_snapshot(model, optimizer):
+    """The uninterrupted run's snapshot, with the host memory its state took from its cold
+    start on (``host_bytes``), which no load may exceed."""
+    found = snapshot(model, optimizer)
+    found["host_bytes"] = host_state_bytes(optimizer)
+    return found
+
+
+def load_memory_result(reference, optimizer):
+    """None when the host memory of the loaded state is no more than the uninterrupted run's."""
+    loaded = host_state_bytes(optimizer)
+    if loaded <= reference["host_bytes"]:
+        return None
+    return (
+        f"the load holds {loaded} bytes of host memory for the optimizer state, the "
+        f"uninterrupted run {reference['host_bytes']}"
+    )
 
 
 def resume_result(reference, model, optimizer):
