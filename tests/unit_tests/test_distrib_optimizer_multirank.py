@@ -30,6 +30,8 @@ pytestmark = pytest.mark.multirank
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core.optimizer.distrib_optimizer_formats")
+# The harness lives beside tests/ in this repository; a vendored tree has none.
+pytest.importorskip("resume_harness.multirank", reason="needs the repository's resume_harness")
 
 from resume_harness.cpu_world import cpu_world_problem  # noqa: E402  pylint: disable=C0413
 from resume_harness.multirank import run_world  # noqa: E402  pylint: disable=wrong-import-position
