@@ -19,7 +19,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .cases import FFN, HIDDEN, Case
 from .measure import optimizer_state_bytes
 from .snapshots import compare, snapshot
-from .worker import distributed_optimizers, load_checkpoint, needs_priming, prime, save_checkpoint
+from .worker import (
+    distributed_optimizers,
+    load_checkpoint,
+    needs_priming,
+    prime,
+    save_checkpoint,
+    wrap_for_training,
+)
 
 BATCH = 4
 BUCKET_SIZE = 2000
@@ -101,8 +108,6 @@ def build(cell, seed, device, hidden_shift=0):
         hidden_shift: widen the first layer (``OTHER_MODEL_SEED`` runs: another model).
     """
     # pylint: disable=import-outside-toplevel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
     bf16 = cell.case.dtype == "bf16"
@@ -115,22 +120,8 @@ def build(cell, seed, device, hidden_shift=0):
         module.inp = torch.nn.Linear(HIDDEN, FFN + hidden_shift)
         module.out = torch.nn.Linear(FFN + hidden_shift, HIDDEN, bias=False)
     module = module.to(device=device, dtype=cell.dtype)
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=bf16, bucket_size=BUCKET_SIZE
-    )
-    model = DistributedDataParallel(config, ddp_config, module)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-2,
-            weight_decay=0.01,
-            bf16=bf16,
-            params_dtype=cell.dtype,
-            use_distributed_optimizer=True,
-            clip_grad=0.0,
-            **cell.case.kind.options(cell.case.offload),
-        ),
-        [model],
+    model, optimizer = wrap_for_training(
+        config, module, cell.case, BUCKET_SIZE, lr=1e-2, clip_grad=0.0
     )
     _check_inner_optimizers(cell, optimizer)
     return model, optimizer

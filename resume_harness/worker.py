@@ -113,8 +113,6 @@ def inner_settings(case, optimizer):
 
 def build(case, seed, shape=Shape()):
     """DDP-wrapped probe model of ``shape`` and the optimizer Megatron builds for ``case``."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer import TransformerConfig
 
     problem = te_unavailable(case)
@@ -126,19 +124,34 @@ def build(case, seed, shape=Shape()):
         num_layers=1, hidden_size=shape.hidden, num_attention_heads=1, bf16=bf16, params_dtype=dtype
     )
     module = _probe_class(shape)(config).cuda().to(dtype)
+    model, optimizer = wrap_for_training(
+        config, module, case, shape.bucket_size, lr=1e-3, clip_grad=1.0
+    )
+    return model, optimizer
+
+
+def wrap_for_training(config, module, case, bucket_size, lr, clip_grad):
+    """``module`` in megatron-core's DDP with the distributed optimizer, and the optimizer
+    ``get_megatron_optimizer`` builds for ``case`` (its Megatron-LM flags): ``(model,
+    optimizer)``."""
+    # pylint: disable=import-outside-toplevel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    bf16 = case.dtype == "bf16"
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=bf16, bucket_size=shape.bucket_size
+        use_distributed_optimizer=True, grad_reduce_in_fp32=bf16, bucket_size=bucket_size
     )
     model = DistributedDataParallel(config, ddp_config, module)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=1e-3,
+            lr=lr,
             weight_decay=0.01,
             bf16=bf16,
-            params_dtype=dtype,
+            params_dtype=_torch_dtype(case),
             use_distributed_optimizer=True,
-            clip_grad=1.0,
+            clip_grad=clip_grad,
             **optimizer_options(case),
         ),
         [model],
