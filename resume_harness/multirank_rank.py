@@ -25,6 +25,7 @@ from .worker import (
     needs_priming,
     prime,
     save_checkpoint,
+    train_step,
     wrap_for_training,
 )
 
@@ -142,12 +143,7 @@ def train(model, optimizer, cell, stream, steps, device):
         generator = torch.Generator().manual_seed(1_000_003 * stream + 1_009 * step)
         inputs = torch.randn((BATCH, HIDDEN), generator=generator).to(device, cell.dtype)
         target = torch.randn((BATCH, HIDDEN), generator=generator).to(device, cell.dtype)
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = (model(inputs).float() - target.float()).pow(2).mean()
-        loss.backward()
-        model.finish_grad_sync()
-        optimizer.step()
+        train_step(model, optimizer, inputs, target)
 
 
 def _step_of(dist, model_param):

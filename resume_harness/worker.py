@@ -173,12 +173,17 @@ def train(model, optimizer, case, stream, steps, rank, shape=Shape()):
         size = (BATCH, shape.hidden)
         inputs = torch.randn(size, generator=generator, device="cuda", dtype=dtype)
         target = torch.randn(size, generator=generator, device="cuda", dtype=dtype)
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = (model(inputs).float() - target.float()).pow(2).mean()
-        loss.backward()
-        model.finish_grad_sync()
-        optimizer.step()
+        train_step(model, optimizer, inputs, target)
+
+
+def train_step(model, optimizer, inputs, target):
+    """One step of Megatron's loop: gradients through DDP's buffers, then the optimizer."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = (model(inputs).float() - target.float()).pow(2).mean()
+    loss.backward()
+    model.finish_grad_sync()
+    optimizer.step()
 
 
 def save_checkpoint(case, model, optimizer, folder, rank):
