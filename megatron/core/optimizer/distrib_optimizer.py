@@ -625,11 +625,9 @@ class DistributedOptimizer(
         return paired
 
     def _state_scaffold(self, inner_groups: List[Dict], step: Optional[int]) -> Dict:
-        """Uninitialised state tensors for every shard, keyed as in the inner state dict.
-
-        They have the dtypes the optimizer keeps and live on their parameter's device; loading
-        makes them the optimizer's state, and the parameter-state load fills them.
-        """
+        """Uninitialised state tensors for every shard, keyed as in the inner state dict, made
+        by the inner-optimizer contract (:meth:`InnerOptimizerState.scaffold`) in the dtypes the
+        optimizer keeps, each on its parameter's device."""
         precision_aware = self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
         if precision_aware and self.config.store_param_remainders and self.config.bf16:
             master_dtype = torch.int16  # the low bits the bf16 parameter lacks
@@ -638,20 +636,14 @@ class DistributedOptimizer(
         dtypes = {key: self._get_state_key_dtype(key) for key in self.optimizer_state_keys}
         if precision_aware:
             dtypes[MASTER] = master_dtype
-        per_param_step = _counts_steps_per_param(self.optimizer)
-
-        scaffold = {}
-        for model_param, (group_index, position) in self._inner_param_index.items():
-            param_id = inner_groups[group_index]["params"][position]
-            numel = len(self._get_model_param_range_map(model_param)["gbuf_world"])
-            entry = {
-                key: torch.empty((numel,), dtype=dtype, device=model_param.device)
-                for key, dtype in dtypes.items()
-            }
-            if per_param_step:
-                entry["step"] = torch.tensor(float(step or 0), dtype=torch.float32)
-            scaffold[param_id] = entry
-        return dict(sorted(scaffold.items(), key=lambda item: item[0]))
+        shards = {
+            inner_groups[group_index]["params"][position]: (
+                len(self._get_model_param_range_map(model_param)["gbuf_world"]),
+                model_param.device,
+            )
+            for model_param, (group_index, position) in self._inner_param_index.items()
+        }
+        return self.inner_state.scaffold(shards, dtypes, step)
 
     def load_state_dict(self, state_dict):
         """Load what :meth:`state_dict` saved, and the parameter state when it is included.

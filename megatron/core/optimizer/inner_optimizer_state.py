@@ -12,7 +12,7 @@ retarget, offload and restore), with one implementation per kind of optimizer, c
 by what the optimizer offers rather than by its class (:func:`kind_of`).
 """
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -331,6 +331,36 @@ class InnerOptimizerState:
             for p in self.params()
             if p.numel() > 0
         )
+
+    def scaffold(
+        self,
+        shards: Dict[Any, Tuple[int, torch.device]],
+        dtypes: Dict[str, torch.dtype],
+        step: Optional[int],
+    ) -> Dict[Any, Dict[str, torch.Tensor]]:
+        """Uninitialised state for a load to fill, keyed as in the optimizer's state dict.
+
+        Loading the optimizer's state dict with it makes these very tensors the state (no
+        second copy); the parameter-state load then writes their values.
+
+        Args:
+            shards: saved parameter id -> number of elements and device of its flat shard.
+            dtypes: state key -> the dtype the optimizer keeps it in.
+            step: the checkpoint's step, kept per parameter where the optimizer counts it there
+                (0 where the checkpoint has none).
+        """
+        per_param_step = _keeps_steps_per_param(self.optimizer)
+        state = {}
+        for param_id in sorted(shards):
+            numel, device = shards[param_id]
+            entry = {
+                key: torch.empty((numel,), dtype=dtype, device=device)
+                for key, dtype in dtypes.items()
+            }
+            if per_param_step:
+                entry["step"] = torch.tensor(float(step or 0), dtype=torch.float32)
+            state[param_id] = entry
+        return state
 
     def materialise(self) -> None:
         """Create missing state in place, leaving values, counters and hyperparameters as
