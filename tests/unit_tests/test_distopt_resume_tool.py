@@ -17,9 +17,13 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import import_harness, load_tool
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import import_harness, load_tool
+    from tests.unit_tests import optimizer_table
+
+_fork_tools = optimizer_table.sibling("fork_tools")
+import_harness = _fork_tools.import_harness
+load_tool = _fork_tools.load_tool
 
 tool = import_harness()
 orchestrator = import_harness("orchestrator")

@@ -27,11 +27,14 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import distrib_optimizer_upstream
-    from buffer_doubles import FakeGroup, param_and_grad_buffers
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import distrib_optimizer_upstream
-    from tests.unit_tests.buffer_doubles import FakeGroup, param_and_grad_buffers
+    from tests.unit_tests import optimizer_table
+
+distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+_buffer_doubles = optimizer_table.sibling("buffer_doubles")
+FakeGroup = _buffer_doubles.FakeGroup
+param_and_grad_buffers = _buffer_doubles.param_and_grad_buffers
 
 fork = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer", reason="the fork's module is not importable"
@@ -42,10 +45,9 @@ if not hasattr(fork, "_find_adam"):
 # pylint: disable=wrong-import-position
 from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
 
-try:
-    from optimizer_doubles import FusedAdamDouble, GroupStepAdamW
-except ModuleNotFoundError:
-    from tests.unit_tests.optimizer_doubles import FusedAdamDouble, GroupStepAdamW
+_optimizer_doubles = optimizer_table.sibling("optimizer_doubles")
+FusedAdamDouble = _optimizer_doubles.FusedAdamDouble
+GroupStepAdamW = _optimizer_doubles.GroupStepAdamW
 
 LR = 0.01
 

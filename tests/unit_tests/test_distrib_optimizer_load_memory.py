@@ -19,11 +19,12 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import import_harness
-    from single_rank import fixture_parallel_state  # noqa: F401  pylint: disable=unused-import
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import import_harness
-    from tests.unit_tests.single_rank import fixture_parallel_state  # noqa: F401
+    from tests.unit_tests import optimizer_table
+
+import_harness = optimizer_table.sibling("fork_tools").import_harness
+fixture_parallel_state = optimizer_table.sibling("single_rank").fixture_parallel_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

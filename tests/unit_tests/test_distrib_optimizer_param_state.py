@@ -27,9 +27,11 @@ import torch
 import torch.distributed as dist
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import distrib_optimizer_upstream
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import distrib_optimizer_upstream
+    from tests.unit_tests import optimizer_table
+
+distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
 
 # The modules exist only in the fork; with the overlay off there is nothing to test.
 param_state = pytest.importorskip(

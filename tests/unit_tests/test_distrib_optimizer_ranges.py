@@ -18,11 +18,14 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.param_layout import BufferKey, FullParamLayout, PerBufferParamLayout
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import distrib_optimizer_upstream
-    from buffer_doubles import FakeGroup, param_and_grad_buffers
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import distrib_optimizer_upstream
-    from tests.unit_tests.buffer_doubles import FakeGroup, param_and_grad_buffers
+    from tests.unit_tests import optimizer_table
+
+distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+_buffer_doubles = optimizer_table.sibling("buffer_doubles")
+FakeGroup = _buffer_doubles.FakeGroup
+param_and_grad_buffers = _buffer_doubles.param_and_grad_buffers
 
 # The module is the fork's own; with the overlay switched off there is nothing to test.
 ranges = pytest.importorskip(

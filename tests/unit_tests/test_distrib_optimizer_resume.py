@@ -34,9 +34,11 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import import_harness
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import import_harness
+    from tests.unit_tests import optimizer_table
+
+import_harness = optimizer_table.sibling("fork_tools").import_harness
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

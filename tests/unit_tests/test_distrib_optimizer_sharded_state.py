@@ -33,13 +33,13 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.dist_checkpointing.validation import _validate_sharding_for_key
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import distrib_optimizer_upstream
-    from buffer_doubles import FakeGroup
-    from optimizer_doubles import FusedAdamDouble
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import distrib_optimizer_upstream
-    from tests.unit_tests.buffer_doubles import FakeGroup
-    from tests.unit_tests.optimizer_doubles import FusedAdamDouble
+    from tests.unit_tests import optimizer_table
+
+distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+FakeGroup = optimizer_table.sibling("buffer_doubles").FakeGroup
+FusedAdamDouble = optimizer_table.sibling("optimizer_doubles").FusedAdamDouble
 
 sharded_state = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer_sharded_state",
@@ -755,11 +755,12 @@ def test_dp_zero_matches_upstream(world_size, rank, is_loading, instance_id):
     assert fork.gathers == expected_gathers
 
 
-SAVABLE = ["dp_reshardable", "dp_zero_gather_scatter", "fully_reshardable"]
+SAVABLE = list(optimizer_table.sharded_formats(round_trips=True))
+UNSAVABLE = list(optimizer_table.sharded_formats(round_trips=False))
 
 
 @pytest.mark.parametrize("world_size,rank", [(1, 0), (3, 0), (3, 2)])
-@pytest.mark.parametrize("sharding_type", SAVABLE + ["fully_sharded_model_space", None])
+@pytest.mark.parametrize("sharding_type", SAVABLE + UNSAVABLE + [None])
 def test_sharded_state_dict_matches_upstream(world_size, rank, sharding_type):
     plan = SINGLE_BUCKET  # upstream's fully_reshardable is only right with one bucket
     fork, upstream = host_pair(plan, world_size, rank)
@@ -794,7 +795,7 @@ def test_deprecated_sharding_type_argument_wins_over_metadata(caplog):
     assert canonical(mine) == canonical(theirs)
 
 
-@pytest.mark.parametrize("sharding_type", SAVABLE + ["fully_sharded_model_space"])
+@pytest.mark.parametrize("sharding_type", SAVABLE + UNSAVABLE)
 def test_loading_materialises_state_without_moving_anything(sharding_type):
     host = build(SINGLE_BUCKET, 2, 1, materialise=False)
     assert not host.optimizer.state

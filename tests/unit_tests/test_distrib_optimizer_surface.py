@@ -33,9 +33,11 @@ overlay = pytest.importorskip(
 )
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import distrib_optimizer_upstream
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import distrib_optimizer_upstream
+    from tests.unit_tests import optimizer_table
+
+distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
 
 MODULE = "megatron.core.optimizer.distrib_optimizer"
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -22,9 +22,11 @@ from megatron.core.optimizer import fused_adam_state_load as fsl
 from megatron.core.optimizer.inner_optimizer_state import InnerOptimizerState
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from optimizer_doubles import FusedAdamDouble
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import FusedAdamDouble
+    from tests.unit_tests import optimizer_table
+
+FusedAdamDouble = optimizer_table.sibling("optimizer_doubles").FusedAdamDouble
 
 SHAPES = [(4, 3), (5,), (2, 2, 2)]
 

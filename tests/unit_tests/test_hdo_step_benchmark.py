@@ -11,9 +11,11 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from fork_tools import load_tool
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.fork_tools import load_tool
+    from tests.unit_tests import optimizer_table
+
+load_tool = optimizer_table.sibling("fork_tools").load_tool
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 if not (BENCHMARKS / "hdo_step.py").is_file():

@@ -18,25 +18,20 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import hdo_client_flows as flows
-    from single_rank import fixture_parallel_state  # noqa: F401  pylint: disable=unused-import
-    from test_hybrid_optimizer_in_distributed_optimizer import (  # pylint: disable=unused-import
-        batches,
-        build,
-        load_dist,
-        save_dist,
-        train,
-    )
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import hdo_client_flows as flows
-    from tests.unit_tests.single_rank import fixture_parallel_state  # noqa: F401
-    from tests.unit_tests.test_hybrid_optimizer_in_distributed_optimizer import (  # noqa: F401
-        batches,
-        build,
-        load_dist,
-        save_dist,
-        train,
-    )
+    from tests.unit_tests import optimizer_table
+
+flows = optimizer_table.sibling("hdo_client_flows")
+fixture_parallel_state = optimizer_table.sibling("single_rank").fixture_parallel_state
+_hybrid_optimizer_in_distributed_optimizer = optimizer_table.sibling(
+    "test_hybrid_optimizer_in_distributed_optimizer"
+)
+batches = _hybrid_optimizer_in_distributed_optimizer.batches
+build = _hybrid_optimizer_in_distributed_optimizer.build
+load_dist = _hybrid_optimizer_in_distributed_optimizer.load_dist
+save_dist = _hybrid_optimizer_in_distributed_optimizer.save_dist
+train = _hybrid_optimizer_in_distributed_optimizer.train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -147,7 +142,7 @@ def _resume_with_patched_master_update(case, fraction, precision_aware, folder, 
 
 @pytest.mark.parametrize("flow", FLOWS)
 @pytest.mark.parametrize("precision_aware", [True, False], ids=["precision_aware", "fp32_main"])
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_a_client_flow_frees_the_right_memory_and_trains_like_a_twin(
     parallel_state, tmp_path, monkeypatch, fraction, precision_aware, flow
 ):

@@ -19,10 +19,15 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_kernels as k
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import adjacent_runs
 
-try:
-    from optimizer_doubles import GroupStepAdamW, counting_id_audits, te_fused_adam
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import GroupStepAdamW, counting_id_audits, te_fused_adam
+    from tests.unit_tests import optimizer_table
+
+_optimizer_doubles = optimizer_table.sibling("optimizer_doubles")
+GroupStepAdamW = _optimizer_doubles.GroupStepAdamW
+counting_id_audits = _optimizer_doubles.counting_id_audits
+te_fused_adam = _optimizer_doubles.te_fused_adam
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -19,15 +19,14 @@ import torch
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from hdo_client_flows import build_hdo
-    from optimizer_doubles import counting_id_audits
-    from test_hybrid_optimizer_packed_copies import assert_same
-    from test_optimizer_cpu_offloading import train_drawn
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.hdo_client_flows import build_hdo
-    from tests.unit_tests.optimizer_doubles import counting_id_audits
-    from tests.unit_tests.test_hybrid_optimizer_packed_copies import assert_same
-    from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
+    from tests.unit_tests import optimizer_table
+
+build_hdo = optimizer_table.sibling("hdo_client_flows").build_hdo
+counting_id_audits = optimizer_table.sibling("optimizer_doubles").counting_id_audits
+assert_same = optimizer_table.sibling("test_hybrid_optimizer_packed_copies").assert_same
+train_drawn = optimizer_table.sibling("test_optimizer_cpu_offloading").train_drawn
 
 pytestmark = pytest.mark.skipif(
     not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), reason="the fork's buckets"

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from single_rank import fixture_parallel_state  # noqa: F401  pylint: disable=unused-import
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.single_rank import fixture_parallel_state  # noqa: F401
+    from tests.unit_tests import optimizer_table
+
+fixture_parallel_state = optimizer_table.sibling("single_rank").fixture_parallel_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -158,11 +160,11 @@ def load_dist(model, optimizer, folder, sharding_type):
 
 # fully_sharded_model_space is left out: 0.19.2's dist_checkpointing refuses its
 # flattened ShardedTensors for any inner optimizer.
-FORMATS = ["legacy", "dp_reshardable", "fully_reshardable"]
+FORMATS = optimizer_table.checkpoint_formats("legacy", "dp_reshardable", "fully_reshardable")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_resume_under_the_distributed_optimizer_is_exact(parallel_state, tmp_path, fraction, fmt):
     # pylint: disable=redefined-outer-name,unused-argument
     from megatron.core.optimizer.cpu_offloading import (  # pylint: disable=import-outside-toplevel

@@ -21,9 +21,11 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_in_place as 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from test_optimizer_cpu_offloading import train_drawn
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
+    from tests.unit_tests import optimizer_table
+
+train_drawn = optimizer_table.sibling("test_optimizer_cpu_offloading").train_drawn
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -123,7 +125,7 @@ def packed_buckets(optimizer):
 
 @pytest.mark.parametrize("in_fp32", [True, False], ids=["fp32-masters", "as-is"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["ring", "one-slot"])
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_packed_buckets_step_as_one_copy_per_parameter(fraction, overlap, in_fp32, monkeypatch):
     options = dict(param_update_in_fp32=in_fp32, overlap_cpu_optimizer_d2h_h2d=overlap)
     packed = run(fraction, BUCKET_BYTES, monkeypatch, **options)
@@ -176,7 +178,7 @@ def test_widened_gradients_are_the_gradients_cast_one_by_one():
 
 
 @requires_cuda
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_packed_buckets_match_upstream_bit_for_bit(fraction, monkeypatch):
     """The same inputs through upstream 0.19.2's HDO (one optimizer per parameter). Every
     parameter has its gradient: upstream steps a parameter without one on its last gradient

@@ -16,13 +16,13 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import CopyPart
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from hdo_client_flows import build_hdo
-    from test_hybrid_optimizer_packed_copies import assert_same
-    from test_optimizer_cpu_offloading import train_drawn
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.hdo_client_flows import build_hdo
-    from tests.unit_tests.test_hybrid_optimizer_packed_copies import assert_same
-    from tests.unit_tests.test_optimizer_cpu_offloading import train_drawn
+    from tests.unit_tests import optimizer_table
+
+build_hdo = optimizer_table.sibling("hdo_client_flows").build_hdo
+assert_same = optimizer_table.sibling("test_hybrid_optimizer_packed_copies").assert_same
+train_drawn = optimizer_table.sibling("test_optimizer_cpu_offloading").train_drawn
 
 pytestmark = pytest.mark.skipif(
     not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), reason="the fork's buckets"

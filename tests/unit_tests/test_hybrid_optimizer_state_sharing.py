@@ -24,14 +24,16 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import Copy
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import PART_ALIGN_BYTES
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import hdo_client_flows as flows
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import hdo_client_flows as flows
+    from tests.unit_tests import optimizer_table
+
+flows = optimizer_table.sibling("hdo_client_flows")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SHAPES = [(64, 32), (128,), (32, 32), (48,), (16, 8)]
-FRACTIONS = [0.0, 0.5, 1.0]
+FRACTIONS = optimizer_table.OFFLOAD_FRACTIONS
 # 80 KiB of fp32 (two parts of 64 KiB), first so that it is offloaded at every fraction but 0.
 PARTED_SHAPE = (160, 128)
 
@@ -232,7 +234,7 @@ def _built_once(optimizer):
     )
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_upstreams_post_load_sequence_keeps_what_is_built_once(fraction):
     """Client patches replay upstream's post-load hook: rebuild, then sync groups and state."""
     (params, optimizer), twin_pair = twins(fraction)
@@ -245,7 +247,7 @@ def test_upstreams_post_load_sequence_keeps_what_is_built_once(fraction):
     assert_same_training([(params, optimizer), twin_pair])
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_get_sub_optimizer_param_groups_describes_the_placement(fraction):
     params, optimizer = make(fraction)
     # pylint: disable=protected-access
@@ -261,7 +263,7 @@ def test_get_sub_optimizer_param_groups_describes_the_placement(fraction):
         optimizer._get_sub_optimizer_param_groups(1.0 - fraction + 0.25)
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_a_class_level_master_update_and_sync_after_a_load_resume_exactly(fraction, monkeypatch):
     calls = []
     monkeypatch.setattr(
@@ -284,7 +286,7 @@ def test_a_class_level_master_update_and_sync_after_a_load_resume_exactly(fracti
     assert_same_training([(params, optimizer), (resumed_params, resumed)])
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_saved_state_and_copies_of_state_are_plain_dicts(fraction):
     params, optimizer = make(fraction)
     train(params, optimizer, 1, seed=1)
@@ -315,7 +317,7 @@ FLOWS = {
 
 
 @pytest.mark.parametrize("flow", sorted(FLOWS))
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_a_state_round_trip_through_the_host_trains_like_a_twin(fraction, flow):
     (params, optimizer), twin_pair = twins(fraction)
     FLOWS[flow](optimizer)
@@ -327,7 +329,7 @@ def test_a_state_round_trip_through_the_host_trains_like_a_twin(fraction, flow):
 
 @requires_cuda
 @pytest.mark.parametrize("flow", sorted(FLOWS))
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_a_round_trip_frees_the_in_place_state_and_puts_nothing_host_resident_on_the_gpu(
     fraction, flow
 ):
@@ -352,7 +354,7 @@ def test_a_round_trip_frees_the_in_place_state_and_puts_nothing_host_resident_on
 
 
 @requires_cuda
-@pytest.mark.parametrize("fraction", [0.0, 0.5])
+@pytest.mark.parametrize("fraction", optimizer_table.DEVICE_KEPT_FRACTIONS)
 def test_a_load_over_state_parked_on_the_host_puts_it_home(fraction):
     (params, optimizer), (twin_params, twin) = twins(fraction)
     buffer = io.BytesIO()

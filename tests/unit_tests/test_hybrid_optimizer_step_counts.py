@@ -15,12 +15,15 @@ import torch
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-try:
-    from optimizer_doubles import GroupStepAdamW
-    from test_optimizer_cpu_offloading import checkpoint, train
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import GroupStepAdamW
-    from tests.unit_tests.test_optimizer_cpu_offloading import checkpoint, train
+    from tests.unit_tests import optimizer_table
+
+GroupStepAdamW = optimizer_table.sibling("optimizer_doubles").GroupStepAdamW
+_optimizer_cpu_offloading = optimizer_table.sibling("test_optimizer_cpu_offloading")
+checkpoint = _optimizer_cpu_offloading.checkpoint
+train = _optimizer_cpu_offloading.train
 
 try:  # the fork's registry of optimizers that count steps per group
     from megatron.core.optimizer import inner_optimizer_state

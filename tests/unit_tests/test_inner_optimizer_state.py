@@ -7,9 +7,11 @@ import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from optimizer_doubles import FusedAdamDouble
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import FusedAdamDouble
+    from tests.unit_tests import optimizer_table
+
+FusedAdamDouble = optimizer_table.sibling("optimizer_doubles").FusedAdamDouble
 
 # The contract exists only in the fork; with the overlay off there is nothing to test.
 _contract = pytest.importorskip("megatron.core.optimizer.inner_optimizer_state")

@@ -17,27 +17,20 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from optimizer_doubles import GroupStepAdamW, te_fused_adam
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import GroupStepAdamW, te_fused_adam
+    from tests.unit_tests import optimizer_table
+
+_optimizer_doubles = optimizer_table.sibling("optimizer_doubles")
+GroupStepAdamW = _optimizer_doubles.GroupStepAdamW
+te_fused_adam = _optimizer_doubles.te_fused_adam
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 SHAPES = [(8, 4), (16,), (4, 4), (3,), (6, 2)]
-FRACTIONS = [0.0, 0.5, 1.0]
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-class DeviceAdamW(torch.optim.AdamW):
-    """torch AdamW, fused where its parameters live on CUDA (as Megatron runs it there)."""
-
-    def __init__(self, params, **kwargs):
-        params = list(params)
-        on_cuda = any(p.is_cuda for group in params for p in group["params"])
-        super().__init__(params, fused=True if on_cuda else None, **kwargs)
-
-
-INNER_OPTIMIZERS = {"torch_adamw": DeviceAdamW, "group_step_adamw": GroupStepAdamW}
+FRACTIONS = optimizer_table.OFFLOAD_FRACTIONS
+DTYPES = optimizer_table.DTYPES
+DeviceAdamW = optimizer_table.DeviceAdamW
 
 
 def make_params(dtype, seed=0):
@@ -53,8 +46,8 @@ def make_optimizer(params, fraction, inner="torch_adamw", **overrides):
     """An HDO with two param groups (the second with weight decay), as Megatron builds it."""
     options = dict(
         offload_fraction=fraction,
-        cpu_optimizer_cls=INNER_OPTIMIZERS[inner],
-        gpu_optimizer_cls=INNER_OPTIMIZERS[inner],
+        cpu_optimizer_cls=optimizer_table.inner_optimizer(inner),
+        gpu_optimizer_cls=optimizer_table.inner_optimizer(inner),
         param_update_in_fp32=True,
         lr=1e-2,
         betas=(0.9, 0.95),
@@ -117,7 +110,7 @@ def inner_tensor(optimizer, param):
     return optimizer.gpu_params_map_cpu_copy.get(param, param)
 
 
-@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+@pytest.mark.parametrize("inner", optimizer_table.inner_params())
 @pytest.mark.parametrize("fraction", FRACTIONS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_load_state_dict_reuses_the_cpu_copies_and_resumes_exactly(dtype, fraction, inner):
@@ -150,7 +143,7 @@ def test_load_state_dict_reuses_the_cpu_copies_and_resumes_exactly(dtype, fracti
             assert torch.equal(resumed.state[resumed_param][key], optimizer.state[param][key])
 
 
-@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+@pytest.mark.parametrize("inner", optimizer_table.inner_params())
 def test_the_adam_step_counter_survives_the_checkpoint(inner):
     params = make_params(torch.bfloat16)
     optimizer = make_optimizer(params, 0.5, inner)
@@ -173,7 +166,7 @@ def test_the_adam_step_counter_survives_the_checkpoint(inner):
                     assert float(sub_optimizer.state[param]["step"]) == 4.0
 
 
-@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+@pytest.mark.parametrize("inner", optimizer_table.inner_params())
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_hyperparameters_set_between_steps_reach_every_sub_optimizer(fraction, inner):
     """A scheduler writes the public groups' lr and weight decay before each step; the step
@@ -230,7 +223,7 @@ def _pinned_allocations():
     return torch.cuda.memory.host_memory_stats().get("allocations.current", 0)
 
 
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_twenty_load_cycles_keep_host_memory_and_pinned_buffers_flat(fraction):
     params = make_params(torch.bfloat16)
     optimizer = make_optimizer(params, fraction)
@@ -297,7 +290,7 @@ def _saved_bytes(optimizer):
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("inner", sorted(INNER_OPTIMIZERS))
+@pytest.mark.parametrize("inner", optimizer_table.inner_params())
 @pytest.mark.parametrize("fraction", FRACTIONS)
 def test_dummy_step_materialises_state_and_changes_nothing(fraction, inner):
     params = make_params(torch.bfloat16)
@@ -523,7 +516,7 @@ def test_loading_offloaded_state_allocates_nothing_on_the_gpu(dtype, stepped_bef
 
 @requires_cuda
 @pytest.mark.skipif(te_fused_adam() is None, reason="needs Transformer Engine")
-@pytest.mark.parametrize("fraction", [0.0, 0.5])
+@pytest.mark.parametrize("fraction", optimizer_table.DEVICE_KEPT_FRACTIONS)
 def test_te_fused_adam_keeps_its_group_step_across_a_checkpoint(fraction):
     """Genuine TE FusedAdam on the in-place half counts its step in param_group["step"]."""
     options = _options(fraction, torch.optim.AdamW, te_fused_adam())
@@ -961,7 +954,7 @@ def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monke
 @requires_cuda
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("in_fp32", [True, False])
-@pytest.mark.parametrize("fraction", [0.5, 1.0])
+@pytest.mark.parametrize("fraction", optimizer_table.OFFLOADED_FRACTIONS)
 def test_the_fork_pins_no_more_than_upstream(
     upstream_hdo_class, fraction, in_fp32, overlap, monkeypatch
 ):

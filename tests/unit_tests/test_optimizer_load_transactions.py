@@ -22,13 +22,13 @@ import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    import hdo_client_flows as flows
-    import test_distrib_optimizer_core as core
-    from test_distrib_optimizer_core import fixture_cpu_as_cuda  # pylint: disable=unused-import
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests import hdo_client_flows as flows
-    from tests.unit_tests import test_distrib_optimizer_core as core
-    from tests.unit_tests.test_distrib_optimizer_core import fixture_cpu_as_cuda  # noqa: F401
+    from tests.unit_tests import optimizer_table
+
+flows = optimizer_table.sibling("hdo_client_flows")
+core = optimizer_table.sibling("test_distrib_optimizer_core")
+fixture_cpu_as_cuda = optimizer_table.sibling("test_distrib_optimizer_core").fixture_cpu_as_cuda
 
 checks = pytest.importorskip("megatron.core.optimizer.state_load_checks")
 
@@ -125,7 +125,7 @@ def _assert_hdo_as_before(params, optimizer, snapshot):
 
 
 @pytest.mark.parametrize("bad", sorted(HDO_BAD_INPUTS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", optimizer_table.dtype_params())
 def test_a_bad_hdo_checkpoint_is_refused_and_changes_nothing(dtype, bad):
     corrupt, error, message = HDO_BAD_INPUTS[bad]
     params, optimizer = make_hdo(dtype)
