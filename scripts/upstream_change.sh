@@ -178,6 +178,7 @@ RENAME_SED=()
 for pair in "${RENAMED_TESTS[@]}"; do
     old="${pair%%=*}" new="${pair#*=}"
     RENAME_SED+=(-e "s/^(\\s*from (tests\\.unit_tests\\.)?)${old%.py} import/\\1${new%.py} import/")
+    RENAME_SED+=(-e "s/sibling\\(\"${old%.py}\"\\)/sibling(\"${new%.py}\")/g")
 done
 for source in "${!TARGET_OF[@]}"; do
     staged="$STAGE/${TARGET_OF[$source]}"
