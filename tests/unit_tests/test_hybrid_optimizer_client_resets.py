@@ -15,20 +15,23 @@ import copy
 import pytest
 import torch
 
-from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
-    from optimizer_doubles import GroupStepAdamW, te_fused_adam
-    from single_rank import fixture_parallel_state  # noqa: F401  pylint: disable=unused-import
-    from test_hybrid_optimizer_in_distributed_optimizer import batches, build, train
+    import optimizer_table
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
-    from tests.unit_tests.optimizer_doubles import GroupStepAdamW, te_fused_adam
-    from tests.unit_tests.single_rank import fixture_parallel_state  # noqa: F401
-    from tests.unit_tests.test_hybrid_optimizer_in_distributed_optimizer import (
-        batches,
-        build,
-        train,
-    )
+    from tests.unit_tests import optimizer_table
+
+GroupStepAdamW = optimizer_table.sibling("optimizer_doubles").GroupStepAdamW
+te_fused_adam = optimizer_table.sibling("optimizer_doubles").te_fused_adam
+fixture_parallel_state = optimizer_table.sibling("single_rank").fixture_parallel_state
+_in_distributed_optimizer = optimizer_table.sibling(
+    "test_hybrid_optimizer_in_distributed_optimizer"
+)
+batches, build, train = (
+    _in_distributed_optimizer.batches,
+    _in_distributed_optimizer.build,
+    _in_distributed_optimizer.train,
+)
+make_hdo_with = optimizer_table.sibling("test_hybrid_optimizer_step_counts").make_hdo
 
 try:  # the fork's registry of optimizers that count steps per group
     from megatron.core.optimizer import inner_optimizer_state
@@ -36,7 +39,6 @@ except ImportError:
     inner_optimizer_state = None
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NUMELS = [4096, 1000, 77, 65536, 3, 12288, 513, 2048]
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -81,23 +83,10 @@ def reset_sub_optimizers(hdo):
 
 
 def make_hdo(sides, fraction, seed=0):
-    """bf16 parameters in two groups under an HDO built as Megatron's factory builds it."""
-    generator = torch.Generator().manual_seed(seed)
-    params = [
-        torch.nn.Parameter(torch.randn(n, generator=generator).to(DEVICE, torch.bfloat16))
-        for n in NUMELS
-    ]
+    """bf16 parameters in two groups under an HDO built as Megatron's factory builds it, with
+    ``sides`` (host, in-place) optimizer classes."""
     host, in_place = sides
-    hdo = HybridDeviceOptimizer(
-        [{"params": params[:5], "weight_decay": 0.01}, {"params": params[5:]}],
-        offload_fraction=fraction,
-        cpu_optimizer_cls=host,
-        gpu_optimizer_cls=in_place,
-        param_update_in_fp32=True,
-        lr=1e-3,
-        betas=(0.9, 0.95),
-    )
-    return hdo, params
+    return make_hdo_with((in_place, {}), seed, fraction, host)
 
 
 def train_hdo(hdo, params, steps, seed, decoupled):

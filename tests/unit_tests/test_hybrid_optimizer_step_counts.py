@@ -47,9 +47,10 @@ def group_step_double_counts_per_group(monkeypatch):
         monkeypatch.setattr(inner_optimizer_state, "GROUP_STEP_CLASSES", classes)
 
 
-def make_hdo(in_place, seed=0):
-    """An HDO over bf16 parameters in two groups, half of them stepped in place by ``in_place``
-    (a class and its options): ``(hdo, params)``."""
+def make_hdo(in_place, seed=0, fraction=0.5, host=torch.optim.AdamW):
+    """An HDO over bf16 parameters in two groups, ``fraction`` of them stepped on the host by
+    ``host`` and the rest in place by ``in_place`` (a class and its options), as Megatron's
+    factory builds it: ``(hdo, params)``."""
     generator = torch.Generator().manual_seed(seed)
     params = [
         torch.nn.Parameter(torch.randn(n, generator=generator).to(DEVICE, torch.bfloat16))
@@ -58,8 +59,8 @@ def make_hdo(in_place, seed=0):
     gpu_cls, options = in_place
     hdo = HybridDeviceOptimizer(
         [{"params": params[:5], "weight_decay": 0.01}, {"params": params[5:]}],
-        offload_fraction=0.5,
-        cpu_optimizer_cls=torch.optim.AdamW,
+        offload_fraction=fraction,
+        cpu_optimizer_cls=host,
         gpu_optimizer_cls=gpu_cls,
         param_update_in_fp32=True,
         lr=1e-3,
