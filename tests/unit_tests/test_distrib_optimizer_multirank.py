@@ -66,23 +66,10 @@ KNOWN_FAILURES = (
 )
 
 
-# The premise of the resharding cells, that a run does not depend on the data-parallel size,
-# fails for fp32 gradients across DP 8: gloo sums the 8 ranks' identical fp32 gradients with
-# rounding (3x is not exact in fp32), so the uninterrupted fp32 runs at DP 8 and at DP 2 or 4
-# differ by about 1e-8 before any checkpoint. The loaded state's check in model space passes
-# first; bf16 parameters (fp32 sums of bf16 gradients are exact) pass at every size.
-FP32_ACROSS_DP8 = (
-    "the uninterrupted fp32 runs at DP 8 and at DP 2 or 4 differ (gloo's fp32 sum of 8 "
-    "identical gradients rounds); the loaded state equals the saved one in model space"
-)
-
-
 def _known_failure(implementation, key):
     for owner, fragments, reason in KNOWN_FAILURES:
         if owner == implementation and any(fragment in key for fragment in fragments):
             return reason
-    if "-fp32-" in key and "-from-dp" in key and "dp8" in key:
-        return FP32_ACROSS_DP8
     return None
 
 
