@@ -31,7 +31,8 @@ batches, build, train = (
     _in_distributed_optimizer.build,
     _in_distributed_optimizer.train,
 )
-make_hdo_with = optimizer_table.sibling("test_hybrid_optimizer_step_counts").make_hdo
+_step_counts = optimizer_table.sibling("test_hybrid_optimizer_step_counts")
+make_hdo_with = _step_counts.make_hdo
 
 try:  # the fork's registry of optimizers that count steps per group
     from megatron.core.optimizer import inner_optimizer_state
@@ -51,13 +52,8 @@ SIDES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def group_step_double_counts_per_group(monkeypatch):
-    """The double stands in for FusedAdam: registered where the fork keeps that registry."""
-    if hasattr(inner_optimizer_state, "GROUP_STEP_CLASSES"):
-        identity = (GroupStepAdamW.__module__, GroupStepAdamW.__qualname__)
-        classes = inner_optimizer_state.GROUP_STEP_CLASSES | {identity}
-        monkeypatch.setattr(inner_optimizer_state, "GROUP_STEP_CLASSES", classes)
+# The double registered as counting steps per group, as FusedAdam is (an autouse fixture).
+group_step_double_counts_per_group = _step_counts.group_step_double_counts_per_group
 
 
 def reset_as_slime_does(optimizer):
