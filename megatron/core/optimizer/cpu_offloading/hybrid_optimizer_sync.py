@@ -88,7 +88,7 @@ class SharedStateMixin:
 
     def _group_steps_written_outside(self) -> Dict[int, Any]:
         """Public group index -> the step a client wrote there since the last sync."""
-        noted = getattr(self, "_group_steps_in_sync", [])
+        noted = self._group_steps_in_sync
         written = {}
         for index, group in enumerate(self.param_groups):
             if "step" not in group:
