@@ -73,7 +73,7 @@ def plan(numels: List[int], fraction: float, part_bytes: int, sized: bool = Fals
         "cap": host_plan.cap / mib,
         "buckets": len(host_plan.staged),
         "budget": host_plan.budget / mib,
-        "ring": sum(map(hdo.pinned_block_bytes, host_plan.ring_bytes)) / mib,
+        "ring": host_plan.ring_held_bytes / mib,
         "pinned": host_plan.pinned_bytes / mib,
         "pageable copies": host_plan.pinned.count(False),
         "pageable": host_plan.pageable_bytes / mib,

@@ -23,6 +23,7 @@ except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
 GroupStepAdamW = optimizer_table.sibling("optimizer_doubles").GroupStepAdamW
 te_fused_adam = optimizer_table.sibling("optimizer_doubles").te_fused_adam
 fixture_parallel_state = optimizer_table.sibling("single_rank").fixture_parallel_state
+results_on_cpu_ranks = optimizer_table.sibling("cpu_ranks").results_on_cpu_ranks
 _in_distributed_optimizer = optimizer_table.sibling(
     "test_hybrid_optimizer_in_distributed_optimizer"
 )
@@ -277,43 +278,21 @@ def reset_flow_mismatches(fraction, precision_aware):
     return problems
 
 
-def reset_flow_rank(rank, port, folder):
-    """One spawned gloo rank: every case of :data:`CPU_CASES`, its problems to a file."""
-    # pylint: disable=import-outside-toplevel
-    import json
+def reset_flow_rank(rank, world, folder):  # pylint: disable=unused-argument
+    """One spawned gloo rank: every case of :data:`CPU_CASES`, with what differs."""
+    import megatron.core.optimizer as factory  # pylint: disable=import-outside-toplevel
 
-    import megatron.core.optimizer as factory
-    from resume_harness.cpu_world import World, quiet
-
-    quiet()
-    world = World(rank, WORLD_SIZE, port)
     factory.Adam = GroupStepAdamW  # what the factory builds the in-place optimizer from
     if hasattr(inner_optimizer_state, "GROUP_STEP_CLASSES"):
         identity = (GroupStepAdamW.__module__, GroupStepAdamW.__qualname__)
         inner_optimizer_state.GROUP_STEP_CLASSES |= {identity}
-    found = {f"{f}-{p}": reset_flow_mismatches(f, p) for f, p in CPU_CASES}
-    world.close()
-    with open(f"{folder}/rank{rank}.json", "w", encoding="utf-8") as out:
-        json.dump(found, out)
+    return {f"{f}-{p}": reset_flow_mismatches(f, p) for f, p in CPU_CASES}
 
 
 @pytest.mark.multirank
 def test_slime_reset_through_the_distributed_optimizer_on_cpu_ranks(tmp_path):
     """Megatron's factory (DDP, DistributedOptimizer, HDO with the double in place) on two
     gloo ranks, fractions 0.5 and 1.0, precision-aware off and on."""
-    # pylint: disable=import-outside-toplevel
-    import json
-
-    # The harness lives beside tests/ in this repository; a vendored tree has none.
-    pytest.importorskip("resume_harness.cpu_world", reason="needs the repository's resume_harness")
-    from resume_harness.cpu_world import cpu_world_problem
-    from resume_harness.multirank import free_port
-
-    if cpu_world_problem():
-        pytest.skip(cpu_world_problem())
-    torch.multiprocessing.start_processes(
-        reset_flow_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD_SIZE, start_method="spawn"
-    )
-    for rank in range(WORLD_SIZE):
-        found = json.loads((tmp_path / f"rank{rank}.json").read_text(encoding="utf-8"))
-        assert found == {f"{f}-{p}": [] for f, p in CPU_CASES}, f"rank {rank}: {found}"
+    found = results_on_cpu_ranks(reset_flow_rank, tmp_path, WORLD_SIZE)
+    for rank, problems in enumerate(found):
+        assert problems == {f"{f}-{p}": [] for f, p in CPU_CASES}, f"rank {rank}: {problems}"

@@ -30,8 +30,15 @@ def _pinned_bytes():
     return torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
 
 
-def build(fraction, seed, precision_aware=True, hidden=HIDDEN):
-    """A DDP-wrapped bf16 model and its offloading distributed optimizer."""
+def build(fraction, seed, precision_aware=True, hidden=HIDDEN, overlap=False, **config_fields):
+    """A DDP-wrapped bf16 model and its offloading distributed optimizer.
+
+    Args:
+        overlap: DDP overlaps its gradient reduce-scatter and parameter all-gather (Megatron-LM's
+            ``--overlap-grad-reduce --overlap-param-gather``).
+        config_fields: set on the ``OptimizerConfig`` before the factory reads it (fields
+            megatron-core's dataclass may not declare).
+    """
     # pylint: disable=import-outside-toplevel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -68,24 +75,25 @@ def build(fraction, seed, precision_aware=True, hidden=HIDDEN):
         use_distributed_optimizer=True,
         grad_reduce_in_fp32=True,
         bucket_size=max(8192, hidden * hidden),
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
     )
     model = DistributedDataParallel(config, ddp_config, module)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-3,
-            weight_decay=0.01,
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            use_distributed_optimizer=True,
-            optimizer_cpu_offload=True,
-            optimizer_offload_fraction=fraction,
-            use_precision_aware_optimizer=precision_aware,
-            clip_grad=1.0,
-        ),
-        [model],
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-3,
+        weight_decay=0.01,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=fraction,
+        use_precision_aware_optimizer=precision_aware,
+        clip_grad=1.0,
     )
-    return model, optimizer
+    for name, value in config_fields.items():
+        setattr(optimizer_config, name, value)
+    return model, get_megatron_optimizer(optimizer_config, [model])
 
 
 def batches(count, seed, hidden=HIDDEN):

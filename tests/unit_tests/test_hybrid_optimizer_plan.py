@@ -13,6 +13,7 @@ plan_module = pytest.importorskip("megatron.core.optimizer.cpu_offloading.hybrid
 buckets_module = pytest.importorskip(
     "megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets"
 )
+ring_module = pytest.importorskip("megatron.core.optimizer.cpu_offloading.hybrid_optimizer_ring")
 
 PART_ALIGN = 64 << 10
 
@@ -33,7 +34,7 @@ def buckets_of(hosts, cap):
     )
 
 
-def planned(numels, caps, roomy=False, slots=3):
+def planned(numels, caps, roomy=False, slots=3, keep_slots=False):
     """The kept plan for these shards and ``(cap, part bytes)`` choices, within upstream's
     pinned budget, or (``roomy``) one that pins everything."""
     hosts, _, param_of = shards(numels)
@@ -41,7 +42,7 @@ def planned(numels, caps, roomy=False, slots=3):
         if roomy:
             patch.setattr(plan_module, "upstream_pinned_bytes", lambda *_, **__: 1 << 30)
         return plan_module.plan_host(
-            lambda cap: buckets_of(hosts, cap), caps, param_of, slots, True, True
+            lambda cap: buckets_of(hosts, cap), caps, param_of, slots, True, True, keep_slots
         )
 
 
@@ -79,6 +80,27 @@ def test_a_plan_stays_within_its_budget_with_the_ring_first():
         id(b_host) for b in kept.buckets for b_host in b.hosts
     )
     assert len(covered) == len(UNEVEN)
+
+
+def test_a_slot_per_bucket_packs_into_shared_blocks_within_the_budget():
+    """The step behind the forward queues every download at once, so every bucket keeps a slot
+    of its own: packed into shared blocks they fit the budget that a block per slot (each its
+    next power of two) would exceed."""
+    numels = []
+    for _ in range(8):  # layers of hidden 128, as the GPT case lists them
+        numels += [128, 128, 3 * 128 * 128, 3 * 128, 128 * 128, 128, 128, 128]
+        numels += [4 * 128 * 128, 4 * 128, 4 * 128 * 128, 128]
+    kept = planned(numels, [(1 << 16, 0)], slots=len(numels), keep_slots=True)
+    assert kept.slots == len(kept.staged) > 1 and kept.packed_slots
+    assert kept.ring_held_bytes + kept.pinned_bytes <= kept.budget
+    assert sum(map(plan_module.pinned_block_bytes, kept.ring_bytes)) > kept.budget
+    block, places = ring_module.pack_slots(kept.ring_bytes)
+    spans = sorted(
+        (index, offset, offset + n) for (index, offset), n in zip(places, kept.ring_bytes)
+    )
+    for (index, _, end), (next_index, start, _) in zip(spans, spans[1:]):
+        assert index != next_index or end <= start  # no two slots overlap
+    assert all(offset % 4096 == 0 and end <= block for _, offset, end in spans)
 
 
 def test_a_copy_larger_than_the_part_size_is_a_run_of_aligned_parts_counted_once():

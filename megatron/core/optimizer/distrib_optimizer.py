@@ -21,7 +21,7 @@ what they offer rather than by their class.
 
 import itertools
 import logging
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -40,10 +40,12 @@ from megatron.core.fp8_utils import (
     is_grouped_tensor_with_quantized_storage,
     quantize_param_shard,
 )
+from megatron.core.optimizer import distrib_optimizer_behind as behind_forward
 from megatron.core.optimizer import distrib_optimizer_ranges as ranges
 from megatron.core.optimizer import fork_info, fused_adam_state_load, inner_optimizer_state
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from megatron.core.optimizer.distrib_optimizer_behind import StepBehindForward
 from megatron.core.optimizer.distrib_optimizer_formats import FORMATS, format_named
 from megatron.core.optimizer.distrib_optimizer_param_state import (
     DistributedOptimizerParameterStateMixin,
@@ -470,6 +472,8 @@ class DistributedOptimizer(
         fork_info.announce(type(self))
         # Set while a load is writing and left set when it fails there (state_load_checks).
         self._load_guard = checks.LoadGuard(type(self).__name__)
+        # The parameter syncs' gates while the offloaded step runs behind the forward.
+        self._step_behind: Optional[StepBehindForward] = None
         # Set by a dist-checkpoint load request, whose reader writes into the live state.
         self._load_request_outstanding = False
         # A rank whose sub-models are all frozen still takes part, with no inner optimizer.
@@ -536,6 +540,42 @@ class DistributedOptimizer(
         self.inner_state.retarget(
             [group_range["orig_group"] for group_range in self.opt_group_ranges]
         )
+        self._step_behind = self._make_step_behind_forward(config)
+
+    def _make_step_behind_forward(self, config) -> Optional[StepBehindForward]:
+        """The gates of the parameter syncs where the offloaded step is asked to run behind the
+        next forward and can (see :mod:`distrib_optimizer_behind`); None otherwise."""
+        if not behind_forward.asked_for(config):
+            return None
+        reason = behind_forward.unsuitable(config, self.ddp_config)
+        if reason is not None:
+            behind_forward.warn_off(reason)
+            return None
+        precision_aware = config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        stepped_of = dict(self._model_and_main_pairs(model_dtype_shards=precision_aware))
+        copied_of = {} if precision_aware else dict(self._model_and_main_pairs())
+        groups = []
+        for bucket_group, position in behind_forward.forward_order(self.model_chunks):
+            params = [p for b in bucket_group.buckets for p in b.params_list if p in stepped_of]
+            if params:
+                groups.append(
+                    behind_forward.GatedGroup(
+                        bucket_group,
+                        position,
+                        [stepped_of[p] for p in params],
+                        [(p, copied_of[p]) for p in params if p in copied_of],
+                    )
+                )
+        inner = self.inner_state
+        gates = StepBehindForward(
+            groups, inner.wait_for_params, inner.step_pending, inner.finish_step, self._copy_pairs
+        )
+        if not inner.step_behind_forward(gates.step_order()):
+            # Only an optimizer with a host step has one to run behind the forward.
+            if config.optimizer_cpu_offload:
+                behind_forward.warn_off(f"{type(self.optimizer).__name__} cannot run it")
+            return None
+        return gates
 
     def _get_model_param_range_map(self, param: torch.nn.Parameter):
         """The four ranges (``gbuf_world``, ``gbuf_world_in_bucket``, ``gbuf_local``,
@@ -584,7 +624,7 @@ class DistributedOptimizer(
         """
         if self.is_stub_optimizer:
             raise RuntimeError("a stub DistributedOptimizer (no inner optimizer) has no state dict")
-        self._load_guard.check("save its state")
+        self._ready_for("save its state")
         return self._common_state_dict()
 
     def _common_state_dict(self):
@@ -971,6 +1011,7 @@ class DistributedOptimizer(
         """
         if self.is_stub_optimizer:
             return
+        self._finish_step_behind()
         log_single_rank(logger, logging.INFO, "[OFFLOAD] moving optimizer state to CPU")
         for param in self._params_with_own_memory():
             if param.is_cuda:
@@ -984,6 +1025,7 @@ class DistributedOptimizer(
         optimizer keeps it (host-resident state of a HybridDeviceOptimizer stays on the host)."""
         if self.is_stub_optimizer:
             return
+        self._finish_step_behind()
         log_single_rank(logger, logging.INFO, "[RESTORE] moving optimizer state back to GPU")
         for param in self._params_with_own_memory():
             if not param.is_cuda:
@@ -1178,6 +1220,8 @@ class DistributedOptimizer(
         """
         if self.is_stub_optimizer:
             return
+        if self._step_behind is not None and self._step_behind.arm():
+            return  # each bucket group's sync copies its pieces once they are up
         fsdp = self.ddp_config.use_megatron_fsdp
         if fsdp:  # Megatron-FSDP also quantizes where needed
             for model_chunk in self.model_chunks:
@@ -1198,7 +1242,12 @@ class DistributedOptimizer(
                 *self._get_nvfp4_params_and_shard_fp32_from_nvfp4(), self.data_parallel_group
             )
 
-        for model_param, main in self._model_and_main_pairs():
+        self._copy_pairs(self._model_and_main_pairs())
+
+    def _copy_pairs(self, pairs: Iterable[Tuple[torch.nn.Parameter, torch.Tensor]]):
+        """Copy each ``(model parameter, main piece)`` into the parameter buffer (quantized
+        parameters are cast by their own helpers)."""
+        for model_param, main in pairs:
             in_bucket = self._owned_piece_range(model_param, main, "gbuf_world_in_bucket")
             if self._is_distopt_quantized_param(model_param) or is_nvfp4tensor(model_param):
                 continue  # cast above
@@ -1389,6 +1438,7 @@ class DistributedOptimizer(
             NotImplementedError: under Megatron-FSDP, unless the inner optimizer refreshes
                 itself.
         """
+        self._finish_step_behind()  # the model parameters are then the step's
         if self.ddp_config.use_megatron_fsdp and not self.inner_state.keeps_copies:
             raise NotImplementedError(
                 "Megatron-FSDP does not implement a model-to-main parameter update."
@@ -1448,7 +1498,7 @@ class DistributedOptimizer(
         Returns:
             bool: whether the update succeeded.
         """
-        self._load_guard.check("step")
+        self._ready_for("step")
         succeeded = super().step_with_ready_grads()
 
         fsdp = self.ddp_config.use_megatron_fsdp

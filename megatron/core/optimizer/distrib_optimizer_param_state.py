@@ -136,8 +136,23 @@ class PlannedParamStateLoadMixin:
     :class:`~megatron.core.optimizer.state_load_checks.LoadGuard`).
 
     The host class supplies ``inner_state``, ``_load_guard`` and
-    ``_set_main_param_and_optimizer_states``.
+    ``_set_main_param_and_optimizer_states``, and where the offloaded step can run behind the
+    forward its gates as ``_step_behind``
+    (:class:`~megatron.core.optimizer.distrib_optimizer_behind.StepBehindForward`).
     """
+
+    def _finish_step_behind(self) -> None:
+        """Wait for a step running behind the forward, if any: every parameter sync it held
+        back is let through and the inner optimizer finishes."""
+        gates = getattr(self, "_step_behind", None)
+        if gates is not None:
+            gates.finish()
+
+    def _ready_for(self, what: str) -> None:
+        """Before reading or stepping the optimizer as a whole: a step running behind the
+        forward finishes, and a failed load refuses ``what``."""
+        self._finish_step_behind()
+        self._load_guard.check(what)
 
     def _begin_param_state_load(self) -> None:
         """Give every parameter its state tensors, so a load can write into them in place."""
@@ -214,6 +229,7 @@ class PlannedParamStateLoadMixin:
             plan: step 1; it raises where the state cannot load.
             on_refusal: what to do when a rank refused, before raising.
         """
+        self._finish_step_behind()  # the plan reads the live state
         problem = write = None
         try:
             write = plan()
@@ -557,7 +573,7 @@ class DistributedOptimizerParameterStateMixin(PlannedParamStateLoadMixin):
         Args:
             filename (str): path of the file to write.
         """
-        self._load_guard.check("save its parameter state")
+        self._ready_for("save its parameter state")
         state_dict = self.get_parameter_state_dp_zero()
         if self.data_parallel_group.rank() == 0:
             torch.save(state_dict, filename)

@@ -305,6 +305,8 @@ class DistributedOptimizerShardedStateMixin(PlannedParamStateLoadMixin):
             NotImplementedError: unknown format, or a format Megatron-FSDP cannot use; raised
                 before the optimizer is touched.
         """
+        # A load request holds the live tensors, which the reader writes into.
+        self._finish_step_behind()
         if not is_loading:
             self._load_guard.check("save its state")
         metadata = {} if metadata is None else metadata

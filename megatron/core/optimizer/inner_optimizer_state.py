@@ -12,7 +12,7 @@ retarget, offload and restore), with one implementation per kind of optimizer, c
 by what the optimizer offers rather than by its class (:func:`kind_of`).
 """
 
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -472,6 +472,26 @@ class InnerOptimizerState:
         """Let the optimizer adopt state written from outside (plain optimizers need
         nothing: the writes went into their state)."""
 
+    # ------------------------------------------------------------ a step behind the forward
+
+    def step_behind_forward(self, order: Callable[[torch.Tensor], float]) -> bool:
+        """Have the optimizer run its host step behind the next forward, stepping its
+        parameters in ``order``; whether it can (plain optimizers step where their parameters
+        are, at once)."""
+        return False
+
+    def step_pending(self) -> bool:
+        """Whether a step is still running behind the forward."""
+        return False
+
+    def wait_for_params(self, params: List[torch.Tensor], block: bool) -> bool:
+        """Wait (``block``) or look whether ``params`` have their update of a step running
+        behind the forward; True where none runs."""
+        return True
+
+    def finish_step(self) -> None:
+        """Wait for a step running behind the forward, if any."""
+
 
 class ScaledFusedAdamState(InnerOptimizerState):
     """TE FusedAdam with Megatron's precision-aware optimizer: moments in lower precision with
@@ -696,6 +716,28 @@ class HybridDeviceOptimizerState(InnerOptimizerState):
     def finish_load(self) -> None:
         """Let it adopt state written from outside and refresh its copies."""
         self.optimizer._sync_hdo_state_to_sub_optimizers()  # pylint: disable=protected-access
+
+    def step_behind_forward(self, order: Callable[[torch.Tensor], float]) -> bool:
+        """Set its ``overlap_cpu_optimizer_step_with_forward`` and ``host_step_order``
+        (upstream's class has neither: it cannot)."""
+        optimizer = self.optimizer
+        if not callable(getattr(optimizer, "wait_for_params", None)):
+            return False
+        optimizer.overlap_cpu_optimizer_step_with_forward = True
+        optimizer.host_step_order = order
+        return True
+
+    def step_pending(self) -> bool:
+        return bool(getattr(self.optimizer, "host_step_pending", False))
+
+    def wait_for_params(self, params: List[torch.Tensor], block: bool) -> bool:
+        if not self.step_pending():
+            return True
+        return self.optimizer.wait_for_params(params, block)
+
+    def finish_step(self) -> None:
+        if self.step_pending():
+            self.optimizer.finish_step()
 
 
 def kind_of(optimizer: Any, precision_aware: bool = False) -> type:

@@ -26,6 +26,7 @@ optimizer does. ``state[p]`` is the very dict the sub-optimizer steps for the in
 thing.
 """
 
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
@@ -49,6 +50,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_parts import (
     PART_ALIGN_BYTES,
     copy_part_bytes,
 )
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_pending import StepBehindForwardMixin
 
 # The planning helpers are re-exported here, where tests and tools look for them.
 # pylint: disable-next=unused-import
@@ -96,6 +98,9 @@ _LEAST_SIZED_BUCKET_BYTES = 16 << 20
 # copies be pinned within the budget (see plan_pinned_host_memory).
 _RING_SLOTS = 3
 
+# Slots asked for when every bucket needs its own (the plan gives one per staged bucket).
+_EVERY_BUCKET = 1 << 30
+
 # What _ensure_built creates from the param groups of the moment.
 _BUILT_ON_FIRST_USE = frozenset(
     {
@@ -122,11 +127,15 @@ _BUILT_ON_FIRST_USE = frozenset(
         "_ring",
         "_entries",
         "_entries_by_inner",
+        "_buckets_of_param",
+        "_upload_events",
     }
 )
 
 
-class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Optimizer):
+class HybridDeviceOptimizer(
+    StepBehindForwardMixin, SharedStateMixin, InPlaceStepMixin, torch.optim.Optimizer
+):
     """Adam-style optimizer that splits its parameters between host and accelerator.
 
     Args:
@@ -177,6 +186,21 @@ class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Opti
     # ranks on the host (LOCAL_WORLD_SIZE) unless MEGATRON_HDO_HOST_STEP_THREADS says otherwise,
     # a number sets it, 0 leaves the caller's count (see host_step_threads).
     host_step_threads = None
+
+    # Run the host part of step() behind the next forward pass: step() queues the downloads
+    # and the in-place step, hands the host buckets to a worker thread and returns; the
+    # buckets go up in ``host_step_order`` and ``wait_for_params`` waits for some parameters'
+    # buckets alone, while everything that reads the optimizer (``state``, its state dicts, the
+    # next step) waits for the whole step (see hybrid_optimizer_pending). Read when the
+    # placement is built (the first step or load): every bucket then gets a ring slot of its
+    # own, so that every download is queued before step() returns. The distributed optimizer
+    # sets it from ``overlap_cpu_optimizer_step_with_forward`` in its config.
+    overlap_cpu_optimizer_step_with_forward = False
+
+    # With the option above: a key giving each public parameter's place in the next forward
+    # (smaller first); host buckets are stepped in the order of their first parameter's key.
+    # None keeps the parameters' order.
+    host_step_order = None
 
     def __init__(
         self,
@@ -446,16 +470,35 @@ class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Opti
         before its upload, and smaller buckets, whose power-of-two blocks are filled less, can
         leave out a copy that the fixed cap pins. Nothing is allocated."""
         caps = sorted({self._host_bucket_bytes(), _HOST_BUCKET_BYTES})
-        return plan_host(
-            lambda cap: self.build_cpu_optimizer_list(
-                self.cpu_optimizer_cls, self.cpu_param_groups, cap
-            ),
-            [(cap, self._part_bytes(cap)) for cap in caps],
-            self.cpu_copys_map_gpu_param,
-            _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1,
-            self.pin_cpu_grads,
-            self.pin_cpu_params,
-        )
+
+        def plan(behind: bool) -> HostPlan:
+            slots = _RING_SLOTS if self.overlap_cpu_optimizer_d2h_h2d else 1
+            return plan_host(
+                lambda cap: self._in_step_order(
+                    self.build_cpu_optimizer_list(
+                        self.cpu_optimizer_cls, self.cpu_param_groups, cap
+                    )
+                ),
+                [(cap, self._part_bytes(cap)) for cap in caps],
+                self.cpu_copys_map_gpu_param,
+                _EVERY_BUCKET if behind else slots,
+                self.pin_cpu_grads,
+                self.pin_cpu_params,
+                keep_slots=behind,
+            )
+
+        if not self.overlap_cpu_optimizer_step_with_forward:
+            return plan(False)
+        chosen = plan(True)
+        if chosen.pin_slots and chosen.ring_held_bytes > chosen.budget:
+            warnings.warn(
+                "overlap_cpu_optimizer_step_with_forward is off: a pinned slot for every host "
+                f"bucket would hold {chosen.ring_held_bytes} bytes, more than megatron-core "
+                f"0.19.2 pins for these parameters ({chosen.budget}); the step runs as before",
+                stacklevel=2,
+            )
+            return plan(False)
+        return chosen
 
     def _plan_grad_ring(self):
         """Take the host plan's buckets and make the ring; allocate nothing yet.
@@ -489,6 +532,7 @@ class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Opti
             staged[:slots],
             [unit for unit in chosen if isinstance(unit, torch.Tensor)],
             [unit for unit in chosen if not isinstance(unit, torch.Tensor)],
+            plan.packed_slots,
         )
         self._ring = Ring(
             self._d2h_stream, self._h2d_stream, self._cpu_optimizer_map_data_event, ring_plan
@@ -586,6 +630,7 @@ class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Opti
         Args:
             closure (Callable, optional): re-evaluates the model and returns the loss.
         """
+        self.finish_step()  # a step still running behind the forward comes first
         self._load_guard.check("step")
         # Read before anything changes, so that a bad override fails the step cleanly.
         threads = host_step_threads(self.host_step_threads)
@@ -599,6 +644,9 @@ class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Opti
         self._allocate_ring()
         lent = self._lend_decoupled_grads()
         steps_before = [sub_group.get("step") for sub_group, _ in self._sub_groups]
+        if self._steps_behind_forward():
+            self._start_behind_forward(threads, lent, steps_before)
+            return loss
 
         # D2H -> host step -> H2D, one bucket after the other. A bucket's slot is free again
         # once its host step has returned and its upload is queued, so that is when the
@@ -607,13 +655,7 @@ class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Opti
         ring = self._ring
         try:
             with threads_for_host_step(threads):
-                ring.begin_step()
-                for index in ring.plan.first_downloads:
-                    self._download(index)
-                # While the first downloads run; on the calling thread, since on a worker its
-                # Python and the host steps' would wait for each other's GIL (see
-                # docs/benchmarks.md).
-                self._step_in_place_whole()
+                self._start_step()
                 for bucket in self._buckets:
                     self._after_host_step(bucket, bucket.step(ring))
         finally:
@@ -623,6 +665,16 @@ class HybridDeviceOptimizer(SharedStateMixin, InPlaceStepMixin, torch.optim.Opti
         self._mirror_group_steps(steps_before)
         self._list_created_state()
         return loss
+
+    def _start_step(self):
+        """Begin the ring's step: queue the first downloads, and step in place while they
+        run, on the calling thread (on a worker its Python and the host steps' would wait for
+        each other's GIL: see docs/benchmarks.md)."""
+        ring = self._ring
+        ring.begin_step()
+        for index in ring.plan.first_downloads:
+            self._download(index)
+        self._step_in_place_whole()
 
     def _register_param_copy_back_gpu_hook(self):
         """Nothing to register: ``step`` uploads each host bucket itself, as soon as it is

@@ -21,6 +21,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import (
     on_accelerator,
 )
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import tensor_nbytes
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_ring import pack_slots
 
 # Each staged gradient starts at a multiple of this many bytes (vector loads stay aligned).
 GRAD_ALIGN = 64
@@ -29,6 +30,12 @@ GRAD_ALIGN = 64
 def staged_offset(end: int) -> int:
     """The first ``GRAD_ALIGN`` boundary at or after ``end``."""
     return -(-end // GRAD_ALIGN) * GRAD_ALIGN
+
+
+def packed_ring_bytes(slot_bytes: Sequence[int]) -> int:
+    """What :func:`pack_slots`' blocks hold for these slots."""
+    block, places = pack_slots(slot_bytes)
+    return block * len({index for index, _ in places})
 
 
 def pinned_block_bytes(nbytes: int) -> int:
@@ -69,6 +76,7 @@ def plan_pinned_host_memory(
     max_slots: int,
     pin_slots: bool = True,
     block: Callable[[int], int] = int,
+    keep_slots: bool = False,
 ) -> Tuple[int, List[bool]]:
     """How many gradient slots the ring gets and which host copies are pinned.
 
@@ -87,6 +95,9 @@ def plan_pinned_host_memory(
         pin_slots: whether the slots are pinned (count against ``budget``).
         block: what a pinned allocation of so many bytes costs against ``budget`` (e.g.
             :func:`pinned_block_bytes`, with a budget counted the same way).
+        keep_slots: give ``max_slots`` slots whatever they cost (a step behind the forward
+            queues every download at once), packed into shared blocks (:func:`pack_slots`);
+            host copies are pinned within what is left.
 
     Returns:
         ``(slots, pinned)``: the slot count (0 without buckets) and a flag per host copy.
@@ -95,6 +106,8 @@ def plan_pinned_host_memory(
         return 0, [False] * len(master_nbytes)
 
     def ring(slots):
+        if keep_slots:
+            return packed_ring_bytes(slot_sizes(bucket_nbytes, slots))
         return sum(block(nbytes) for nbytes in slot_sizes(bucket_nbytes, slots))
 
     def pins(slots):
@@ -106,6 +119,8 @@ def plan_pinned_host_memory(
         return pinned, sum(block(n) for n, pin in zip(master_nbytes, pinned) if pin)
 
     slots = min(max_slots, len(bucket_nbytes))
+    if keep_slots:
+        return slots, pins(slots)[0]
     while pin_slots and slots > 1 and ring(slots) > budget:
         slots -= 1
     pinned, pinned_bytes = pins(slots)
@@ -159,6 +174,7 @@ class HostPlan:
         pin_slots: whether the ring's slots are pinned.
         pinned: whether each unit is pinned.
         budget: the most pinned bytes, as the host allocator's blocks (upstream's).
+        packed_slots: whether the slots are packed into shared blocks (:func:`pack_slots`).
     """
 
     cap: int
@@ -170,6 +186,7 @@ class HostPlan:
     pin_slots: bool
     pinned: List[bool]
     budget: int
+    packed_slots: bool = False
 
     @property
     def staged_bytes(self) -> List[int]:
@@ -180,6 +197,13 @@ class HostPlan:
     def ring_bytes(self) -> List[int]:
         """Bytes of each ring slot."""
         return slot_sizes(self.staged_bytes, self.slots) if self.slots else []
+
+    @property
+    def ring_held_bytes(self) -> int:
+        """What the ring's slots hold, as the host allocator's blocks."""
+        if self.packed_slots:
+            return packed_ring_bytes(self.ring_bytes)
+        return sum(map(pinned_block_bytes, self.ring_bytes))
 
     @property
     def pinned_bytes(self) -> int:
@@ -232,6 +256,7 @@ def plan_host(
     max_slots: int,
     pin_grads: bool,
     pin_copies: bool,
+    keep_slots: bool = False,
 ) -> HostPlan:
     """The plan, of one per ``(cap, part_bytes)`` in ``caps``, that leaves the fewest bytes of
     host copies pageable within what upstream keeps pinned for the same copies (the first on
@@ -245,6 +270,8 @@ def plan_host(
         pin_grads: ``pin_cpu_grads``: the ring is pinned where any copy crosses the bus, and
             upstream pins its gradient buffers.
         pin_copies: ``pin_cpu_params``: whether host copies may be pinned at all.
+        keep_slots: a slot for each of ``max_slots`` buckets, whatever it costs (see
+            :func:`plan_pinned_host_memory`).
     """
     crossing = [(host, param) for host, param in param_of.items() if on_accelerator(param)]
     # What upstream's pins hold, block by block, against the fork's counted alike.
@@ -263,8 +290,11 @@ def plan_host(
             max_slots,
             pin_slots,
             pinned_block_bytes,
+            keep_slots,
         )
-        plan = HostPlan(cap, optimizers, buckets, staged, units, slots, pin_slots, pinned, budget)
+        plan = HostPlan(
+            cap, optimizers, buckets, staged, units, slots, pin_slots, pinned, budget, keep_slots
+        )
         if best is None or plan.pageable_bytes < best.pageable_bytes:
             best = plan
     return best

@@ -11,9 +11,46 @@ buffers of the packed buckets. Each bucket queues its own copies on it
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+# Each ring slot packed into a shared block starts at a multiple of this many bytes (a page).
+SLOT_ALIGN = 4096
+
+# Packed slots share blocks of up to 2**this times the largest slot's next power of two.
+PACKED_BLOCK_GROWTH = 5
+
+
+def pack_slots(slot_bytes: Sequence[int]) -> Tuple[int, List[Tuple[int, int]]]:
+    """Pack slots into equal blocks of a power of two, first fit from the largest slot: a ring
+    of a slot per bucket then costs about its bytes, where a block per slot would cost each
+    slot's next power of two. Of the block sizes from the largest slot's next power of two up
+    to :data:`PACKED_BLOCK_GROWTH` doublings of it, the one holding the fewest bytes in all
+    (the smallest on a tie).
+
+    Returns:
+        ``(block bytes, places)``: each slot's ``(block index, byte offset)``.
+    """
+    if not slot_bytes:
+        return 0, []
+    least = 1 << (max(slot_bytes) - 1).bit_length()
+    packings = [_first_fit(slot_bytes, least << k) for k in range(PACKED_BLOCK_GROWTH + 1)]
+    return min(packings, key=lambda packing: packing[0] * (1 + max(i for i, _ in packing[1])))
+
+
+def _first_fit(slot_bytes: Sequence[int], block: int) -> Tuple[int, List[Tuple[int, int]]]:
+    ends: List[int] = []
+    places: List[Tuple[int, int]] = [(0, 0)] * len(slot_bytes)
+    for index in sorted(range(len(slot_bytes)), key=lambda i: -slot_bytes[i]):
+        nbytes = slot_bytes[index]
+        chosen = next((b for b, end in enumerate(ends) if end + nbytes <= block), None)
+        if chosen is None:
+            chosen = len(ends)
+            ends.append(0)
+        places[index] = (chosen, ends[chosen])
+        ends[chosen] = -(-(ends[chosen] + nbytes) // SLOT_ALIGN) * SLOT_ALIGN
+    return block, places
 
 
 @dataclasses.dataclass
@@ -27,6 +64,8 @@ class RingPlan:
         first_downloads: the buckets whose downloads start the step, one per slot.
         masters_to_pin: host copies pinned in place on the first step.
         blocks_to_pin: indices of the packed buckets whose block is pinned.
+        packed_slots: carve the slots out of shared blocks (``pack_slots``) rather than
+            allocate each.
     """
 
     slots: int
@@ -35,6 +74,7 @@ class RingPlan:
     first_downloads: List[int]
     masters_to_pin: List[torch.Tensor]
     blocks_to_pin: List[int] = dataclasses.field(default_factory=list)
+    packed_slots: bool = False
 
 
 class _SwitchStream:
@@ -116,9 +156,20 @@ class Ring:
         plan = self.plan
         if self.slots or not plan.slots:
             return False
+        if not plan.packed_slots:
+            self.slots = [
+                torch.empty(nbytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
+                for nbytes in plan.slot_bytes
+            ]
+            return True
+        block, places = pack_slots(plan.slot_bytes)
+        blocks = [
+            torch.empty(block, dtype=torch.uint8, pin_memory=plan.pin_slots)
+            for _ in range(1 + max(index for index, _ in places))
+        ]
         self.slots = [
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=plan.pin_slots)
-            for nbytes in plan.slot_bytes
+            blocks[index][offset : offset + nbytes]
+            for (index, offset), nbytes in zip(places, plan.slot_bytes)
         ]
         return True
 
@@ -157,6 +208,13 @@ class Ring:
         event = self.data_events.pop(key, None)
         if event is not None:
             event.synchronize()
+
+    def order_after_downloads(self):
+        """Make the stream current on the copies' device wait for the downloads queued so
+        far, on the device: a step that returns before its host part is done leaves nothing
+        the caller queues next (zeroing or freeing the gradients) to race them."""
+        if self.d2h_stream is not None:
+            torch.cuda.current_stream(self.d2h_stream.device).wait_stream(self.d2h_stream)
 
     def note_slot_upload(self, slot: int):
         """Keep the event of an upload that went through ``slot``, for the download that

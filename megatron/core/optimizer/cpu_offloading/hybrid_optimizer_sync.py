@@ -73,13 +73,23 @@ class SharedStateMixin:
             return None
         return self._entries.get(param)
 
-    def _mirror_group_steps(self, steps_before: List[Any]):
-        """Copy the step of sub-optimizers that count it in their param groups (TE, Apex)."""
+    def _mirror_group_steps(self, steps_before: List[Any], keep: Optional[Dict[int, Any]] = None):
+        """Copy the step of sub-optimizers that count it in their param groups (TE, Apex),
+        except into the public groups of ``keep`` (index -> a step a client wrote there),
+        which stay written by the client for the next sync to hand over."""
+        keep = keep or {}
+        noted, mirrored = list(self._group_steps_in_sync), {}
         for (sub_group, index), before in zip(self._sub_groups, steps_before):
             step = sub_group.get("step")
             if step is not None and step is not before:
-                self.param_groups[index]["step"] = step
+                mirrored[index] = step
+                if index not in keep:
+                    self.param_groups[index]["step"] = step
         self._note_group_steps()
+        for index in keep:
+            # Noted as the sub-groups have it, so the client's step still reads as written.
+            before = noted[index] if index < len(noted) else None
+            self._group_steps_in_sync[index] = mirrored.get(index, before)
 
     def _note_group_steps(self):
         """Remember each public group's step as the sub-groups have it now, so that the next
