@@ -515,6 +515,10 @@ def main(argv=None) -> Optional[dict]:
         "processes": results,
     }
     print(header(report) + "\n\n" + markdown_table(report["rows"]) + "\n\n" + LEGEND)
+    for result in (process for processes in results.values() for process in processes):
+        if result.get("profile_s"):
+            seconds = ", ".join(f"{k} {v:.3f}" for k, v in result["profile_s"].items())
+            print(f"profile of {result['variant']}, s an iteration: {seconds}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump(report, out, indent=1)

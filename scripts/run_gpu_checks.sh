@@ -21,14 +21,18 @@
 #                with NCCL on 4 GPUs: worlds of 2 and 4 ranks, resharding between them, faults
 #   resume-w8    the same on 8 GPUs, worlds of 8 ranks included
 #   bench        HDO step time against its floor, overlap on and off (benchmarks/hdo_step.py)
+#   iteration    a training iteration of a 1.3B GPTModel, the optimizer on the GPU or offloaded,
+#                upstream beside the fork, the step behind the forward on and off
+#                (benchmarks/offload_iteration.py; ITERATION_ARGS adds options)
 #   load-memory  GPU memory and time of each load phase, upstream beside the fork
 #                (benchmarks/load_memory.py; its TE rows need Transformer Engine)
 #   main         the README's main job (tools/resume_check.py)
 #
 # Settings (environment): PYTHON (default python3), OUT_DIR, TIMEOUT (seconds per check,
-# default 560), BENCH_ARGS (extra arguments for the benchmark), RESUME_FILTER (a pytest -k
-# expression ANDed to the resume checks' own, e.g. "w2"). The resume checks also write every
-# case's merged result (errors, mismatches, memory figures) to OUT_DIR/resume_results/.
+# default 560), BENCH_ARGS and ITERATION_ARGS (extra arguments for those benchmarks),
+# RESUME_FILTER (a pytest -k expression ANDed to the resume checks' own, e.g. "w2"). The resume
+# checks also write every case's merged result (errors, mismatches, memory figures) to
+# OUT_DIR/resume_results/.
 set -uo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,6 +96,14 @@ for check in "$@"; do
                 >"$OUT_DIR/bench.txt" 2>&1
             echo "== bench (exit $?)"
             grep -v Warn "$OUT_DIR/bench.txt" | tail -14
+            ;;
+        iteration)
+            # shellcheck disable=SC2086
+            timeout "$TIMEOUT" "$PYTHON" benchmarks/offload_iteration.py \
+                --json "$OUT_DIR/offload_iteration.json" ${ITERATION_ARGS:-} \
+                >"$OUT_DIR/iteration.txt" 2>"$OUT_DIR/iteration.log"
+            echo "== iteration (exit $?)"
+            grep -E "^\|" "$OUT_DIR/iteration.txt"
             ;;
         load-memory)
             timeout "$TIMEOUT" "$PYTHON" benchmarks/load_memory.py --out "$OUT_DIR/load_memory.json" \

@@ -20,6 +20,10 @@ import torch
 from megatron.core.optimizer.cpu_offloading.host_step_threads import threads_for_host_step
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_ring import recorded
 
+# What profiles show: each host bucket on the worker, and a wait of the calling thread for some.
+HOST_BUCKET_RANGE = "HybridDeviceOptimizer.host_bucket"
+WAIT_RANGE = "HybridDeviceOptimizer.wait_for_params"
+
 
 class HostStepFailed(RuntimeError):
     """The host part of a step behind the forward raised; the parameters it had not uploaded
@@ -68,8 +72,9 @@ class PendingHostStep:
         try:
             with torch.no_grad(), self._setup():
                 for index in range(len(self._up)):
-                    for done in self._run_bucket(index):
-                        self._mark_up(done)
+                    with torch.profiler.record_function(HOST_BUCKET_RANGE):
+                        for done in self._run_bucket(index):
+                            self._mark_up(done)
         except BaseException as error:  # pylint: disable=broad-exception-caught
             # Kept and raised again by every waiter: a worker's exception has nowhere else to go.
             self.error = error
@@ -93,8 +98,9 @@ class PendingHostStep:
         Raises:
             HostStepFailed: the worker raised.
         """
-        for index in buckets:
-            self._up[index].wait()
+        with torch.profiler.record_function(WAIT_RANGE):
+            for index in buckets:
+                self._up[index].wait()
         self._raise_failure()
         if self._h2d_stream is None:
             return
