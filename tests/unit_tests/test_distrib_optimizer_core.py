@@ -191,6 +191,13 @@ def names(model):
     return {p: n for n, p in model.named_parameters()}
 
 
+def ranges_of(optimizer, model_param):
+    """The ranges of the piece of ``model_param`` that ``optimizer``'s rank owns, looked up
+    through its public bucket maps."""
+    buffer_index, dtypes, bucket_index = optimizer.model_param_gbuf_map[model_param]
+    return optimizer.gbuf_ranges[buffer_index][dtypes][bucket_index]["param_map"][model_param]
+
+
 def fill_grads(model, seed):
     """Give every parameter's ``main_grad`` (a view into the grad buffer) random values."""
     generator = torch.Generator().manual_seed(seed)
@@ -261,7 +268,7 @@ def test_construction_matches_upstream(world_size, rank, bucket_size, bf16_first
     # Views stay views of the same elements; main copies are copies.
     for shard_group, models in zip(mine.shard_float16_groups, mine.model_float16_groups):
         for shard, model_param in zip(shard_group, models):
-            start = mine._get_model_param_range_map(model_param)["param"].start
+            start = ranges_of(mine, model_param)["param"].start
             assert shard.data_ptr() == model_param.data_ptr() + start * model_param.element_size()
     for main_group, models in zip(mine.shard_fp32_from_float16_groups, mine.model_float16_groups):
         for main, model_param in zip(main_group, models):
@@ -311,7 +318,7 @@ def test_every_owned_param_reads_its_own_shard_even_when_a_bf16_buffer_comes_fir
     assert optimizer.model_fp32_groups[0] and optimizer.model_float16_groups[0]
     optimizer.inner_state.materialise()
     for model_param in optimizer.model_param_gbuf_map:
-        piece = optimizer._get_model_param_range_map(model_param)["param"]
+        piece = ranges_of(optimizer, model_param)["param"]
         read = optimizer._get_main_param_and_optimizer_states(model_param)["param"]
         expected = model_param.detach().view(-1)[piece.start : piece.end].float()
         assert torch.equal(read, expected)
@@ -419,14 +426,16 @@ def test_scaffold_dtypes_for_the_precision_aware_optimizer():
         config.store_param_remainders = remainders
         scaffold = optimizer._state_scaffold(inner_groups, 7)
         assert list(scaffold) == sorted(p for g in inner_groups for p in g["params"])
-        for model_param, (gi, pos) in optimizer._inner_param_index.items():
-            entry = scaffold[inner_groups[gi]["params"][pos]]
-            numel = optimizer._inner_param(model_param).numel()
-            assert entry["exp_avg"].dtype == torch.bfloat16 and entry["exp_avg"].numel() == numel
-            assert entry["exp_avg_sq"].dtype == torch.float16
-            assert entry["master_param"].dtype == master_dtype
-            assert entry["master_param"].numel() == numel
-            assert float(entry["step"]) == 7.0
+        # The saved groups list the inner optimizer's shards by position.
+        for saved, stepped in zip(inner_groups, optimizer.optimizer.param_groups, strict=True):
+            for index, shard in zip(saved["params"], stepped["params"], strict=True):
+                entry, numel = scaffold[index], shard.numel()
+                assert entry["exp_avg"].dtype == torch.bfloat16
+                assert entry["exp_avg"].numel() == numel
+                assert entry["exp_avg_sq"].dtype == torch.float16
+                assert entry["master_param"].dtype == master_dtype
+                assert entry["master_param"].numel() == numel
+                assert float(entry["step"]) == 7.0
 
 
 class DecoupledGradDouble(FusedAdamDouble):
@@ -598,7 +607,8 @@ def test_training_steps_match_upstream(world_size, rank, bucket_size):
         grads_a = mine._collect_main_grad_data_for_unscaling()
         grads_b = theirs._collect_main_grad_data_for_unscaling()
         # Every owned shard has a gradient (a bare zip would pass on two empty lists).
-        assert len(grads_a) == len(grads_b) == len(mine._inner_param_index) > 0
+        owned = sum(len(g) for g in mine.model_float16_groups + mine.model_fp32_groups)
+        assert len(grads_a) == len(grads_b) == owned > 0
         for a, b in zip(grads_a, grads_b):
             assert torch.equal(a, b)
         assert len(mine.buffers) == len(theirs.buffers) > 0
@@ -647,7 +657,7 @@ def test_set_then_get_main_param_and_optimizer_states():
     generator = torch.Generator().manual_seed(5)
     written = {}
     for model_param in optimizer.model_param_gbuf_map:
-        numel = len(optimizer._get_model_param_range_map(model_param)["param"])
+        numel = len(ranges_of(optimizer, model_param)["param"])
         tensors = {
             k: torch.randn(numel, generator=generator, dtype=torch.float64)
             for k in ("param", "exp_avg", "exp_avg_sq")
@@ -686,7 +696,7 @@ def test_copy_model_params_to_main_params_matches_upstream():
     for model_param, main in zip(
         mine.model_float16_groups[0], mine.shard_fp32_from_float16_groups[0]
     ):
-        piece = mine._get_model_param_range_map(model_param)["param"]
+        piece = ranges_of(mine, model_param)["param"]
         assert torch.equal(main, model_param.detach().view(-1)[piece.start : piece.end].float())
 
 
@@ -703,7 +713,7 @@ def test_copy_model_params_to_main_params_refreshes_copies_kept_by_the_inner_opt
     for model_param, main in zip(
         optimizer.model_float16_groups[0], optimizer.shard_fp32_from_float16_groups[0]
     ):
-        piece = optimizer._get_model_param_range_map(model_param)["param"]
+        piece = ranges_of(optimizer, model_param)["param"]
         assert torch.equal(main, model_param.detach().view(-1)[piece.start : piece.end].float())
 
 
@@ -808,7 +818,7 @@ def test_nvfp4_params_match_upstream(monkeypatch, keeps_init_value, world_size, 
     assert (mains_a[0] is None) == (mains_b[0] is None) == (not owned)
     if owned:
         assert torch.equal(mains_a[0], mains_b[0])
-        piece = mine._get_model_param_range_map(weight)["param"]
+        piece = ranges_of(mine, weight)["param"]
         source = weight.detach().float() + 1.0 / 3.0 if keeps_init_value else weight.float()
         assert torch.equal(mains_a[0], source.view(-1)[piece.start : piece.end])
 
@@ -823,7 +833,7 @@ def test_nvfp4_params_match_upstream(monkeypatch, keeps_init_value, world_size, 
     if owned:
         # The NVFP4 parameter's place in the buffer is left to the quantizing cast.
         index, _, bucket = mine.model_param_gbuf_map[weight]
-        world = mine._get_model_param_range_map(weight)["gbuf_world_in_bucket"]
+        world = ranges_of(mine, weight)["gbuf_world_in_bucket"]
         start = mine.buffers[index].buckets[bucket].offset + world.start
         assert torch.equal(
             mine.buffers[index].param_data[start : start + world.size],

@@ -351,7 +351,8 @@ def test_the_breakdown_times_the_fork_s_parts_and_puts_them_back():
     expected = {"step", "host step", "download queueing", "upload staging", "upload queueing"}
     assert expected <= set(parts)
     assert sum(v for k, v in parts.items() if k != "step") <= parts["step"] * 1.01
-    assert "_download" not in vars(hdo) and "step" not in vars(hdo._buckets[0].optimizer)
+    assert "_download" not in vars(hdo)
+    assert hdo.cpu_optimizers and all("step" not in vars(host) for host in hdo.cpu_optimizers)
     assert split.breakdown(torch.optim.AdamW(params), grads) == {}
 
 
@@ -417,7 +418,12 @@ def test_the_flat_step_benchmark_times_both_ways_over_the_same_buckets_and_value
     flat, per_copy = (flat_step.build(40, 48, flat) for flat in (True, False))
     for optimizer, stepped_flat in ((flat, True), (per_copy, False)):
         assert flat_step.timed_ms(flat_step.host_steps(optimizer, stepped_flat), 2)[0] > 0
-    assert len(flat._buckets) == len(per_copy._buckets)
+    # One host sub-optimizer a bucket: both rows hold the same buckets of the same copies.
+    flat_buckets, per_copy_buckets = (
+        [[p.shape for group in host.param_groups for p in group["params"]] for host in hosts]
+        for hosts in (flat.cpu_optimizers, per_copy.cpu_optimizers)
+    )
+    assert flat_buckets == per_copy_buckets
     for a, b in zip(flat.param_groups[0]["params"], per_copy.param_groups[0]["params"]):
         host_a, host_b = (opt.param_to_inner_param[p] for opt, p in ((flat, a), (per_copy, b)))
         assert torch.equal(host_a, host_b)
@@ -461,7 +467,7 @@ def test_the_pinning_plan_tool_plans_the_buckets_and_ring_the_hdo_builds(monkeyp
             fused=True,
         )
         asked.clear()
-        optimizer._ensure_built()
+        optimizer._init_sub_optimizers()  # pylint: disable=protected-access
         built = list(asked)
         asked.clear()
         figures = pin_plan.plan(numels, 0.8, part_bytes, sized)

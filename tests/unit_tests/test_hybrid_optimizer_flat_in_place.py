@@ -93,6 +93,16 @@ def make_hdo(cls, params, gpu_cls, fraction=0.5, **options):
     )
 
 
+def in_place_clones(hdo):
+    """``(parameter, fp32 clone)`` for each parameter whose fp32 clone is stepped in place (not
+    on a host copy), in parameter order."""
+    return [
+        (param, clone)
+        for param, clone in hdo.param_to_fp32_param.items()
+        if param not in hdo.gpu_params_map_cpu_copy
+    ]
+
+
 def flat_and_reference(in_place_cls, fp32=()):
     """An HDO that steps in place over runs and its per-tensor reference, each with its own
     parameters of the same values: ``(hdo, params), (reference, ref_params)``."""
@@ -200,14 +210,13 @@ def test_in_place_fp32_clones_lie_back_to_back_in_parameter_order():
     before it ends, in one storage, and holds its parameter's values widened."""
     params = make_params()
     hdo = make_hdo(HybridDeviceOptimizer, params, torch.optim.AdamW)
-    hdo._ensure_built()  # pylint: disable=protected-access
-    clones = [clone for _, clone in hdo._clones_in_place]  # pylint: disable=protected-access
+    clones = [clone for _, clone in in_place_clones(hdo)]
     assert len(clones) > 2
     storage = clones[0].untyped_storage().data_ptr()
     for before, after in zip(clones, clones[1:]):
         assert after.data_ptr() == before.data_ptr() + before.nbytes
         assert after.untyped_storage().data_ptr() == storage
-    for param, clone in hdo._clones_in_place:  # pylint: disable=protected-access
+    for param, clone in in_place_clones(hdo):
         assert clone.dtype == torch.float32 and torch.equal(clone, param.detach().float())
 
 
@@ -485,7 +494,7 @@ def test_first_step_holds_each_moment_once_on_the_gpu():
         for n in numels
     ]
     hdo = make_hdo(HybridDeviceOptimizer, params, FusedAdam, fraction=0.0)
-    hdo._ensure_built()  # pylint: disable=protected-access
+    hdo._init_sub_optimizers()  # pylint: disable=protected-access
     for param in params:
         param.grad = torch.randn(param.numel(), generator=generator).to("cuda", torch.bfloat16)
     torch.cuda.synchronize()
@@ -780,10 +789,11 @@ def spy_in_place_kernel(monkeypatch, hdo):
     clones, the element count of each tensor it was handed."""
     calls = []
     original = torch._fused_adamw_  # pylint: disable=protected-access
-    block = hdo._clone_block  # pylint: disable=protected-access
+    # The clones lie back to back in one block: its storage is theirs.
+    block = in_place_clones(hdo)[0][1].untyped_storage().data_ptr()
 
     def spy(params, *args, **kwargs):
-        if params and params[0].untyped_storage().data_ptr() == block.untyped_storage().data_ptr():
+        if params and params[0].untyped_storage().data_ptr() == block:
             calls.append([param.numel() for param in params])
         return original(params, *args, **kwargs)
 

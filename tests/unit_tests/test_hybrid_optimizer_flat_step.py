@@ -27,6 +27,7 @@ build_hdo = optimizer_table.sibling("hdo_client_flows").build_hdo
 counting_id_audits = optimizer_table.sibling("optimizer_doubles").counting_id_audits
 assert_same = optimizer_table.sibling("test_hybrid_optimizer_packed_copies").assert_same
 train_drawn = optimizer_table.sibling("test_optimizer_cpu_offloading").train_drawn
+host_buckets = optimizer_table.sibling("test_optimizer_cpu_offloading").host_buckets
 
 pytestmark = pytest.mark.skipif(
     not getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), reason="the fork's buckets"
@@ -73,7 +74,7 @@ def train_beside_per_copy(bucket_bytes, monkeypatch, steps, seed, between=None):
 
 def flat_buckets(optimizer):
     """The buckets stepped flat (there must be some)."""
-    buckets = [b for b in optimizer._buckets if getattr(b, "flat", None) is not None]
+    buckets = [b for b in host_buckets(optimizer) if getattr(b, "flat", None) is not None]
     assert buckets, "no bucket is stepped flat"
     return buckets
 
@@ -92,7 +93,7 @@ def test_a_packed_bucket_is_stepped_flat_exactly_as_copy_by_copy(reference_bytes
     train(params, optimizer, 5, seed=3)
     assert_moments_in_blocks(optimizer)
     reference_params, reference = make(reference_bytes, monkeypatch, flat=False)
-    assert not any(getattr(bucket, "flat", None) for bucket in reference._buckets)
+    assert not any(getattr(bucket, "flat", None) for bucket in host_buckets(reference))
     train(reference_params, reference, 5, seed=3)
     assert_same((params, optimizer), (reference_params, reference))
 
@@ -121,7 +122,7 @@ def test_a_bucket_of_one_copy_is_stepped_by_the_kernel_alone(monkeypatch):
     sub-optimizer after the first step, exactly as the sub-optimizer steps it."""
     params, optimizer = make(0, monkeypatch)
     train(params, optimizer, 1, seed=1)
-    singles = [bucket for bucket in optimizer._buckets if len(bucket.hosts) == 1]
+    singles = [bucket for bucket in host_buckets(optimizer) if len(bucket.hosts) == 1]
     assert len(singles) == len(SIZES)
     assert all(bucket.flat is not None for bucket in singles)
     calls = []
@@ -314,7 +315,7 @@ def test_a_group_the_sub_optimizer_refuses_is_refused_alike(monkeypatch):
     the flat step must not go ahead in its place."""
     params, optimizer = make(BUCKET_BYTES, monkeypatch, sizes=[16, 32, 48, 64] * 4)
     train(params, optimizer, 2, seed=1)
-    assert all(getattr(b, "flat", None) is not None for b in optimizer._buckets)
+    assert all(getattr(b, "flat", None) is not None for b in host_buckets(optimizer))
     for sub in optimizer.cpu_optimizers:
         sub.param_groups[0]["foreach"] = True
     for group in optimizer.param_groups:

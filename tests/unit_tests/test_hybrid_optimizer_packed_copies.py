@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import optimizer_table
 
 train_drawn = optimizer_table.sibling("test_optimizer_cpu_offloading").train_drawn
+host_buckets = optimizer_table.sibling("test_optimizer_cpu_offloading").host_buckets
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -114,9 +115,14 @@ def assert_same(actual, expected):
                 assert torch.equal(state[key].cpu(), value.cpu()), f"parameter {index} {key}"
 
 
+def packed_host_buckets(optimizer):
+    """The HDO's packed host buckets in step order, built on first use."""
+    return [b for b in host_buckets(optimizer) if isinstance(b, buckets.PackedCopies)]
+
+
 def packed_buckets(optimizer):
     """The packed buckets, each checked to be one block: every host copy a view into it."""
-    packed = [b for b in optimizer._buckets if isinstance(b, buckets.PackedCopies)]
+    packed = packed_host_buckets(optimizer)
     for bucket in packed:
         block = bucket.master.untyped_storage().data_ptr()
         assert all(h.untyped_storage().data_ptr() == block for h in bucket.hosts)
@@ -157,7 +163,7 @@ def test_host_copies_keep_their_objects_and_values_when_packed(monkeypatch):
     params = make_params()
     optimizer = make_optimizer(params, 1.0, param_update_in_fp32=True)
     hosts = dict(optimizer.gpu_params_map_cpu_copy)
-    packed = [b for b in optimizer._buckets if isinstance(b, buckets.PackedCopies)]
+    packed = packed_host_buckets(optimizer)
     assert packed and all(bucket.master is None for bucket in packed)
     train(params, optimizer, 1, seed=1)
     assert all(optimizer.gpu_params_map_cpu_copy[p] is h for p, h in hosts.items())
@@ -267,7 +273,7 @@ def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
         [(h, p) for p, h in optimizer.gpu_params_map_cpu_copy.items()], True, held=True
     )
     assert 0 < held <= budget
-    packed = [b for b in optimizer._buckets if isinstance(b, buckets.PackedCopies)]
+    packed = packed_host_buckets(optimizer)
     pinned = [b.master.is_pinned() for b in packed]
     assert pinned == sorted(pinned, reverse=True)
     del params, optimizer

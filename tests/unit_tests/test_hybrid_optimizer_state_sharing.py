@@ -29,6 +29,7 @@ except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import optimizer_table
 
 flows = optimizer_table.sibling("hdo_client_flows")
+offloading = optimizer_table.sibling("test_optimizer_cpu_offloading")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -54,8 +55,7 @@ def test_the_parts_variant_moves_its_first_copy_in_parts(copies):
     for fraction in (0.5, 1.0):
         params, optimizer = make(fraction)
         train(params, optimizer, 1, seed=1)
-        # pylint: disable=protected-access
-        parted = [b for b in optimizer._buckets if isinstance(b, CopyPart)]
+        parted = [b for b in offloading.host_buckets(optimizer) if isinstance(b, CopyPart)]
         assert len(parted) == (2 if copies == "parts" else 0)
         assert all(b.hosts == [optimizer.param_to_inner_param[params[0]]] for b in parted)
 
@@ -211,9 +211,9 @@ def test_a_download_notes_its_event_and_the_step_takes_it():
     assert optimizer._cpu_optimizer_map_data_event == {}
     for param in params:
         param.grad = torch.ones_like(param)
-    first = optimizer._ring.plan.first_downloads[0]
+    first = offloading.ring_plan(optimizer).first_downloads[0]
     optimizer._download(first)
-    bucket = optimizer._buckets[first]
+    bucket = offloading.host_buckets(optimizer)[first]
     if not isinstance(
         bucket, CopyPart
     ):  # a whole bucket's key is its sub-optimizer, as upstream keys it

@@ -103,6 +103,17 @@ def identities(optimizer):
     )
 
 
+def host_buckets(optimizer):
+    """The HDO's host buckets in step order, built on first use (internal: no public member
+    gives them)."""
+    return optimizer._buckets  # pylint: disable=protected-access
+
+
+def ring_plan(optimizer):
+    """The plan of the HDO's ring of gradient slots (internal: no public member gives it)."""
+    return optimizer._ring.plan  # pylint: disable=protected-access
+
+
 def inner_tensor(optimizer, param):
     """The tensor that holds ``param``'s optimizer state (fork and upstream alike)."""
     if param in optimizer.param_to_fp32_param:
@@ -659,8 +670,7 @@ def test_full_host_buckets_stage_exactly_the_pinned_block_they_are_given(monkeyp
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", cap)
     params = flat_params([4, 4, 3072] + [160] * 128 + [1000, 7, 5120], torch.bfloat16)
     optimizer = make_optimizer(params, 1.0)
-    optimizer._ensure_built()
-    buckets = [bucket for bucket in optimizer._buckets if bucket.grads]
+    buckets = [bucket for bucket in host_buckets(optimizer) if bucket.grads]
     assert sum(len(bucket.grads) for bucket in buckets) == len(params)
     shared = [bucket for bucket in buckets if len(bucket.grads) > 1]
     assert all(bucket.nbytes <= cap for bucket in shared)
@@ -695,11 +705,9 @@ def test_sized_host_buckets_cut_a_small_offload_finer_and_step_exactly(monkeypat
     optimizer = make_optimizer(params, 1.0, fused=True)
     reference = make_optimizer(expected, 1.0, fused=True)
     reference.size_host_buckets = False  # read when the buckets are built, on first use
-    optimizer._ensure_built()
-    reference._ensure_built()
-    staged = [bucket.nbytes for bucket in optimizer._buckets if bucket.grads]
-    assert max(staged) <= 1 << 14 < max(b.nbytes for b in reference._buckets)
-    assert len(staged) >= 8 > len([b for b in reference._buckets if b.grads])
+    staged = [bucket.nbytes for bucket in host_buckets(optimizer) if bucket.grads]
+    assert max(staged) <= 1 << 14 < max(b.nbytes for b in host_buckets(reference))
+    assert len(staged) >= 8 > len([b for b in host_buckets(reference) if b.grads])
     train(params, optimizer, 3, seed=12)
     train(expected, reference, 3, seed=12)
     assert_equal_params(params, expected)
@@ -737,7 +745,7 @@ def test_sized_buckets_give_way_to_the_fixed_cap_where_that_pins_more(monkeypatc
 
     def pageable_bytes(optimizer):
         copies = {}
-        for bucket in optimizer._buckets:
+        for bucket in host_buckets(optimizer):
             for host, pinned in zip(bucket.hosts, bucket.pinned):
                 copies[id(host)] = 0 if pinned else host.numel() * host.element_size()
         return sum(copies.values())
@@ -745,14 +753,14 @@ def test_sized_buckets_give_way_to_the_fixed_cap_where_that_pins_more(monkeypatc
     chosen, fixed = build(True), build(False)
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", sized_cap)
     only_sized = build(False)  # the sized cap's buckets, built as a fixed cap
-    only_sized[1]._ensure_built()
+    only_sized[1]._init_sub_optimizers()  # pylint: disable=protected-access
     monkeypatch.setattr(hybrid_optimizer, "_HOST_BUCKET_BYTES", fixed_cap)
-    chosen[1]._ensure_built()
+    chosen[1]._init_sub_optimizers()  # pylint: disable=protected-access
     assert chosen[1]._host_bucket_bytes() == sized_cap
     for params, optimizer in (chosen, fixed, only_sized):
         train(params, optimizer, 3, seed=11)
     assert pageable_bytes(chosen[1]) == pageable_bytes(fixed[1]) < pageable_bytes(only_sized[1])
-    assert [b.nbytes for b in chosen[1]._buckets] == [b.nbytes for b in fixed[1]._buckets]
+    assert [b.nbytes for b in host_buckets(chosen[1])] == [b.nbytes for b in host_buckets(fixed[1])]
     for params in (chosen[0], only_sized[0]):
         assert_equal_params(params, fixed[0])
 
@@ -916,7 +924,7 @@ def test_each_slot_holds_the_largest_of_its_buckets(numels, monkeypatch):
     largest = max(numels) * 4  # fp32 gradients of the largest bucket
     # Pinned (on a GPU), two slots: within upstream's budget a third would leave one more copy
     # pageable. Unpinned slots cost no budget: three.
-    assert slots == (2 if optimizer._ring.plan.pin_slots else 3)
+    assert slots == (2 if ring_plan(optimizer).pin_slots else 3)
     assert sorted(sizes.values()).count(largest) == 1
     assert sum(sizes.values()) < slots * largest
     assert_matches_reference(optimizer, params, masters, references)
@@ -947,7 +955,7 @@ def test_parameters_without_gradients_skip_their_step_in_the_ring(overlap, monke
     # Without overlap the same buckets share a single slot: each download waits for the
     # previous bucket's step. With pinned slots the plan keeps two where that pins more copies.
     assert len(optimizer.cpu_optimizers) == 6
-    ring = 2 if optimizer._ring.plan.pin_slots else 3
+    ring = 2 if ring_plan(optimizer).pin_slots else 3
     assert assert_packed_ring(optimizer) == (ring if overlap else 1)
 
 
@@ -1046,7 +1054,7 @@ def test_pageable_copies_go_up_through_their_slot_before_it_is_reused(monkeypatc
     train_drawn(params, optimizer, 3, seed=6)
     followed = [
         bucket
-        for bucket in optimizer._buckets
+        for bucket in host_buckets(optimizer)
         if bucket.follower is not None and not bucket.hosts[0].is_pinned()
     ]
     assert followed, "no pageable copy has a bucket after it in its slot"
