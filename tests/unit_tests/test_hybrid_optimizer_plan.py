@@ -128,3 +128,25 @@ def test_small_copies_pack_into_one_bucket_laid_out_at_aligned_offsets():
         offset for _, _, offset in bucket.grads
     ] == [0, 64, 128]
     assert bucket.nbytes == 128 + 4 * 17 and kept.units == [(0, bucket.nbytes)]
+
+
+def test_on_a_release_that_pins_widened_copies_the_budget_pins_every_fp32_copy(monkeypatch):
+    """Megatron-LM main (0.20) pins an offloaded parameter's widened fp32 copy with
+    ``pin_cpu_params``; 0.19.2 leaves it pageable. Planned against main's total, every host copy
+    is pinned and none goes up through a ring slot."""
+    hosts, params, _ = shards(UNEVEN)
+    copies = list(zip(hosts, params))
+    narrow = plan_module.upstream_pinned_bytes(copies, True, held=True)
+    wide = plan_module.upstream_pinned_bytes(copies, True, held=True, pins_widened=True)
+    assert wide == narrow + sum(plan_module.pinned_block_bytes(h.numel() * 4) for h in hosts)
+    monkeypatch.setattr(plan_module, "upstream_pins_widened_copies", lambda: True)
+    kept = planned(UNEVEN, [(1 << 15, 0), (1 << 17, 0)])
+    assert kept.budget == wide and kept.pageable_bytes == 0
+    assert sum(map(plan_module.pinned_block_bytes, kept.ring_bytes)) + kept.pinned_bytes <= wide
+
+
+def test_the_release_decides_whether_widened_copies_count_as_pinned():
+    from megatron.core import package_info  # pylint: disable=import-outside-toplevel
+
+    main = (int(package_info.MAJOR), int(package_info.MINOR)) >= (0, 20)
+    assert plan_module.upstream_pins_widened_copies() is main

@@ -44,20 +44,38 @@ def pinned_block_bytes(nbytes: int) -> int:
     return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
+def upstream_pins_widened_copies() -> bool:
+    """Whether the megatron-core around the fork pins an offloaded parameter's widened fp32
+    copy with ``pin_cpu_params``, as Megatron-LM main does after 0.19 (0.20 on); 0.19.2 pins
+    only the 16-bit copy it then widens into pageable memory."""
+    try:
+        from megatron.core import package_info  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return False
+    return (int(package_info.MAJOR), int(package_info.MINOR)) >= (0, 20)
+
+
 def upstream_pinned_bytes(
-    copies: List[Tuple[torch.Tensor, torch.Tensor]], pin_grads: bool, held: bool = False
+    copies: List[Tuple[torch.Tensor, torch.Tensor]],
+    pin_grads: bool,
+    held: bool = False,
+    pins_widened: bool = False,
 ) -> int:
-    """Pinned bytes megatron-core 0.19.2's HDO keeps for these offloaded parameters.
+    """Pinned bytes megatron-core's HDO keeps for these offloaded parameters.
 
     It keeps a gradient buffer in the host copy's dtype (pinned if ``pin_grads``) and pins
     a copy of each parameter, which stays only when it is the host copy itself (no fp32
-    update); a widened copy replaces it with pageable fp32.
+    update); a widened copy replaces it with pageable fp32 in 0.19.2, and with pinned fp32
+    where the release pins widened copies (``pins_widened``: see
+    :func:`upstream_pins_widened_copies`).
 
     Args:
         copies: ``(host copy, accelerator parameter)`` per offloaded parameter.
         pin_grads: upstream's ``pin_cpu_grads``.
         held: count each allocation as the block the host allocator holds for it
             (:func:`pinned_block_bytes`), what the process pins, rather than its bytes.
+        pins_widened: count the widened fp32 copies as pinned (``pin_cpu_params`` on a
+            release that pins them).
     """
     size = pinned_block_bytes if held else int
     total = 0
@@ -66,6 +84,8 @@ def upstream_pinned_bytes(
             total += size(tensor_nbytes(host))
         if host.dtype == param.dtype:
             total += size(tensor_nbytes(param))
+        elif pins_widened:
+            total += size(tensor_nbytes(host))
     return total
 
 
@@ -275,7 +295,8 @@ def plan_host(
     """
     crossing = [(host, param) for host, param in param_of.items() if on_accelerator(param)]
     # What upstream's pins hold, block by block, against the fork's counted alike.
-    budget = upstream_pinned_bytes(crossing, pin_grads, held=True)
+    widened = pin_copies and upstream_pins_widened_copies()
+    budget = upstream_pinned_bytes(crossing, pin_grads, held=True, pins_widened=widened)
     pin_slots = pin_grads and bool(crossing)
     best: Optional[HostPlan] = None
     for cap, part_bytes in caps:
