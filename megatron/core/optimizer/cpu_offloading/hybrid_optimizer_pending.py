@@ -216,10 +216,15 @@ class StepBehindForwardMixin:
             self._after_host_step(bucket, ready)
             return [index_of[id(stepped)] for stepped in ready]
 
+        # One intra-op thread fewer than the step would take: the calling thread runs the
+        # forward meanwhile, and an OpenMP region one of whose threads it preempts waits for
+        # that thread at every barrier.
+        worker_threads = max(1, (threads or torch.get_num_threads()) - 1)
+
         def on_worker():
             if ring.h2d_stream is not None:
                 torch.cuda.set_device(ring.h2d_stream.device)
-            return threads_for_host_step(threads)
+            return threads_for_host_step(worker_threads)
 
         self._pending_steps_before = steps_before
         self._pending_host_step = PendingHostStep(
