@@ -25,6 +25,12 @@ HOST_BUCKET_RANGE = "HybridDeviceOptimizer.host_bucket"
 WAIT_RANGE = "HybridDeviceOptimizer.wait_for_params"
 
 
+# Workers of several HDOs in one process (Megatron chains a dense and an expert optimizer, each
+# with its own) step one bucket at a time between them, each on the intra-op threads the host
+# step has, rather than all at once on more threads than there are cores.
+_ONE_BUCKET_AT_A_TIME = threading.Lock()
+
+
 class HostStepFailed(RuntimeError):
     """The host part of a step behind the forward raised; the parameters it had not uploaded
     keep their previous values, so the optimizer and the model disagree."""
@@ -72,7 +78,7 @@ class PendingHostStep:
         try:
             with torch.no_grad(), self._setup():
                 for index in range(len(self._up)):
-                    with torch.profiler.record_function(HOST_BUCKET_RANGE):
+                    with _ONE_BUCKET_AT_A_TIME, torch.profiler.record_function(HOST_BUCKET_RANGE):
                         for done in self._run_bucket(index):
                             self._mark_up(done)
         except BaseException as error:  # pylint: disable=broad-exception-caught
