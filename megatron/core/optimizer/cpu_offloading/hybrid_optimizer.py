@@ -75,7 +75,6 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_sync import (
     SharedStateMixin,
     hyperparameters,
 )
-from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step
 
 # Lets tests and tools tell this implementation from upstream's.
 FORK_IMPLEMENTATION = True
@@ -712,20 +711,3 @@ class HybridDeviceOptimizer(
                     param.decoupled_grad = None
                 else:
                     param.decoupled_grad.zero_()
-
-    def dummy_step(self):
-        """Materialise the sub-optimizers' state without changing anything else.
-
-        Each sub-optimizer takes a null step (zero gradients, learning rate and weight
-        decay) on its parameters that have no state yet, then gets its counters and
-        hyperparameters back: the result equals a never-stepped optimizer whose state
-        tensors already exist, which is what an in-place checkpoint load needs. TE's moments
-        are created laid out for the flat in-place step instead (zeros, as TE makes them).
-        """
-        self._ensure_built()
-        flat = self._flat_in_place_step()
-        if flat is not None:
-            flat.create_state()  # laid out for the flat step; the null step skips it then
-        for optimizer in self.sub_optimizers:
-            materialise_by_null_step(optimizer)
-        self._sync_sub_optimizers_state_to_hdo()

@@ -22,7 +22,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     placed,
     plan_step_counts,
 )
-from megatron.core.optimizer.inner_optimizer_state import step_counter_of
+from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step, step_counter_of
 
 # Constructor options of the hybrid optimizer itself. They live in ``defaults`` (so that
 # ``HybridDeviceOptimizer(params, **opt.defaults)`` rebuilds an equivalent optimizer) but
@@ -148,6 +148,23 @@ class SharedStateMixin:
             dict.__setitem__(entry, MASTER, entry.inner)
         if dict.get(self.state, entry.param) is not entry:
             dict.__setitem__(self.state, entry.param, entry)
+
+    def dummy_step(self):
+        """Materialise the sub-optimizers' state without changing anything else.
+
+        Each sub-optimizer takes a null step (zero gradients, learning rate and weight
+        decay) on its parameters that have no state yet, then gets its counters and
+        hyperparameters back: the result equals a never-stepped optimizer whose state
+        tensors already exist, which is what an in-place checkpoint load needs. TE's moments
+        are created laid out for the flat in-place step instead (zeros, as TE makes them).
+        """
+        self._ensure_built()
+        flat = self._flat_in_place_step()
+        if flat is not None:
+            flat.create_state()  # laid out for the flat step; the null step skips it then
+        for optimizer in self.sub_optimizers:
+            materialise_by_null_step(optimizer)
+        self._sync_sub_optimizers_state_to_hdo()
 
     def _sync_sub_optimizers_state_to_hdo(self):
         """Show every parameter's state in ``self.state``: its one entry, shared with the
