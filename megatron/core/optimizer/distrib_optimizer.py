@@ -1245,12 +1245,19 @@ class DistributedOptimizer(
         self._copy_pairs(self._model_and_main_pairs())
 
     def _copy_pairs(self, pairs: Iterable[Tuple[torch.nn.Parameter, torch.Tensor]]):
-        """Copy each ``(model parameter, main piece)`` into the parameter buffer (quantized
-        parameters are cast by their own helpers)."""
+        """Copy each ``(model parameter, main piece)`` into the parameter buffer, but for the
+        quantized parameters, which their own helpers cast."""
+        self._copy_into_param_buffer(
+            (model_param, main)
+            for model_param, main in pairs
+            if not (self._is_distopt_quantized_param(model_param) or is_nvfp4tensor(model_param))
+        )
+
+    def _copy_into_param_buffer(self, pairs: Iterable[Tuple[torch.nn.Parameter, torch.Tensor]]):
+        """Copy each main piece where its model parameter's piece lies in the bucket's
+        parameter data."""
         for model_param, main in pairs:
             in_bucket = self._owned_piece_range(model_param, main, "gbuf_world_in_bucket")
-            if self._is_distopt_quantized_param(model_param) or is_nvfp4tensor(model_param):
-                continue  # cast above
             bucket_params = self._bucket_param_data(model_param)
             bucket_params.view(-1)[in_bucket.start : in_bucket.end].copy_(main)
 
@@ -1277,13 +1284,13 @@ class DistributedOptimizer(
             raise NotImplementedError(
                 "_copy_main_params_to_param_buffer is not supported with Megatron-FSDP"
             )
-        for main_group, model_group in zip(
-            self.shard_fp32_from_float16_groups, self.model_float16_groups
-        ):
-            for main, model_param in zip(main_group, model_group):
-                in_bucket = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
-                bucket_params = self._bucket_param_data(model_param)
-                bucket_params.view(-1)[in_bucket.start : in_bucket.end].copy_(main)
+        self._copy_into_param_buffer(
+            (model_param, main)
+            for main_group, model_group in zip(
+                self.shard_fp32_from_float16_groups, self.model_float16_groups
+            )
+            for main, model_param in zip(main_group, model_group)
+        )
         # The buffer changed, so the next forward pre-hook must redo its post-sync work.
         for model_chunk in self.model_chunks:
             model_chunk.reset_param_sync_dispatch_state()
