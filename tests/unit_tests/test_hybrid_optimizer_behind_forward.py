@@ -191,6 +191,42 @@ def test_host_buckets_go_in_the_host_step_order():
     assert any(host is hdo.gpu_params_map_cpu_copy[params[0]] for host in second)
 
 
+# What clients call between training and rollout (README, "RL clients"), right after a step.
+CLIENT_CALLS = {
+    "bridge_refresh": lambda hdo: hdo.update_fp32_param_by_new_param(),
+    "verl_offload_and_home": lambda hdo: (
+        flows.offload_state_by_reassignment(hdo),
+        flows.reload_state_by_the_hdo(hdo),
+    ),
+    "skyrl_masters": lambda hdo: hdo._update_fp32_params_by_new_state(),
+    "group_sync": lambda hdo: hdo._sync_hdo_param_groups_to_sub_optimizers(),
+    "dummy_step": lambda hdo: hdo.dummy_step(),
+}
+
+
+@pytest.mark.parametrize("call", sorted(CLIENT_CALLS))
+def test_a_client_call_right_after_the_step_waits_for_it(call):
+    """The host step is held until after the call has started: a call that did not wait would
+    act on the state before the step (or race the worker), and the run would leave its twin's."""
+    HeldAdamW.started.clear()
+    twin_params, twin = held_hdo()
+    twin.overlap_cpu_optimizer_step_with_forward = False
+    release_all(twin)
+    params, hdo = held_hdo()
+    for run_params, run in ((twin_params, twin), (params, hdo)):
+        hand_out_grads(run_params)
+        run.step()
+        if run is hdo:
+            assert hdo.host_step_pending
+            threading.Timer(0.3, release_all, args=(hdo,)).start()
+        CLIENT_CALLS[call](run)
+        run.zero_grad()
+        hand_out_grads(run_params, seed=2)
+        run.step()
+    hdo.finish_step()
+    resets.assert_same_run((twin, twin_params), (hdo, params))
+
+
 def test_a_failed_host_step_leaves_the_optimizer_refusing_to_go_on():
     params, hdo = held_hdo(cpu_cls=FailingAdamW)
     hand_out_grads(params)

@@ -112,6 +112,7 @@ class SharedStateMixin:
         """Push the public groups' hyperparameters (lr, weight decay, ...) to the sub-groups,
         and a step a client wrote into a public group (slime's reset of the optimizer states
         sets it to 0) to the sub-groups that count steps in their group, which step next."""
+        self.finish_step()  # a step running behind the forward writes what this reads
         written = self._group_steps_written_outside()
         for sub_group, index in self._sub_groups:
             sub_group.update(hyperparameters(self.param_groups[index]))
@@ -158,6 +159,7 @@ class SharedStateMixin:
         tensors already exist, which is what an in-place checkpoint load needs. TE's moments
         are created laid out for the flat in-place step instead (zeros, as TE makes them).
         """
+        self.finish_step()  # a step running behind the forward writes what this reads
         self._ensure_built()
         flat = self._flat_in_place_step()
         if flat is not None:
@@ -169,6 +171,7 @@ class SharedStateMixin:
     def _sync_sub_optimizers_state_to_hdo(self):
         """Show every parameter's state in ``self.state``: its one entry, shared with the
         sub-optimizer, listed once it holds state."""
+        self.finish_step()  # a step running behind the forward writes what this reads
         if not isinstance(self.state, StateMap):
             self.state = StateMap(self._entry_of)
         for entry in self._entries.values():
@@ -218,6 +221,7 @@ class SharedStateMixin:
         replaced as a whole, or a sub-optimizer's entry replaced. Then every ``master_param``
         is written into its inner tensor and every state tensor is moved home.
         """
+        self.finish_step()  # a step running behind the forward writes what this reads
         shown = self.state
         replaced = not isinstance(shown, StateMap)
         if replaced:
@@ -239,6 +243,7 @@ class SharedStateMixin:
     def _update_fp32_params_by_new_state(self):
         """Write each entry's ``master_param`` into the inner tensor it stands for, where
         something other than that tensor was put there, and show the inner tensor again."""
+        self.finish_step()  # a step running behind the forward writes what this reads
         if not self.param_update_in_fp32:
             return
         for entry in self._entries.values():
@@ -255,6 +260,7 @@ class SharedStateMixin:
         sub-optimizer keeps it in. State already home is left as it is, so nothing is
         allocated on the accelerator for host-resident state.
         """
+        self.finish_step()  # a step running behind the forward writes what this reads
         self._lay_out_in_place_state()
         for entry in self._entries.values():
             entry.settle()
@@ -288,6 +294,7 @@ class SharedStateMixin:
     @torch.no_grad()
     def update_fp32_param_by_new_param(self):
         """Refresh every inner copy from its parameter after the parameters changed outside."""
+        self.finish_step()  # a step running behind the forward writes what this reads
         for param, inner in self.param_to_inner_param.items():
             if inner is not param:
                 inner.copy_(param.detach().view_as(inner))
