@@ -266,7 +266,8 @@ class StepBehindForwardMixin:
         try:
             pending.wait_up(indices)
         except HostStepFailed:
-            self.finish_step()
+            self.finish_step()  # marks the optimizer and raises the failure
+            raise
         return True
 
     def finish_step(self):
