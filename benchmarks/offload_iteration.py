@@ -79,6 +79,7 @@ WORKER_OPTIONS = (
     "iterations",
     "breakdown_iterations",
     "deterministic",
+    "recompute",
 )
 """The options a worker process is handed."""
 
@@ -415,7 +416,8 @@ def header(report: dict) -> str:
             f"{host['layer_spec']} layer spec), sequence {args['seq_length']}, "
             f"{args['micro_batches']} micro-batches of {args['micro_batch_size']}; "
             f"{args['iterations']} timed iterations after {args['warmup']}; rounds "
-            f"{args['rounds']}; deterministic {args['deterministic']}",
+            f"{args['rounds']}; deterministic {args['deterministic']}; full recompute "
+            f"{args['recompute']}",
             f"Command: {report['command']}",
         ]
     )
@@ -450,6 +452,13 @@ def build_parser() -> argparse.ArgumentParser:
         model.add_argument(option, type=positive_int, default=default, help=text)
     model.add_argument("--lr", type=float, default=1e-4, help="constant learning rate")
     model.add_argument("--seed", type=int, default=1234, help="seed of the weights and data")
+    model.add_argument(
+        "--recompute",
+        action="store_true",
+        help="recompute every layer in the backward (megatron-core's full recompute, uniform, "
+        "one layer at a time: --recompute-activations in Megatron-LM), so that a micro-batch "
+        "of many tokens fits, as RL clients with dynamic batch sizes run it",
+    )
     model.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,
@@ -504,6 +513,7 @@ def main(argv=None) -> Optional[dict]:
     if args.smoke:
         vars(args).update(SMOKE_OPTIONS)
     if not cuda:  # upstream's HybridDeviceOptimizer needs CUDA
+        args.recompute = False  # megatron-core's recompute saves the CUDA generator's state
         variants = [name for name in variants if parse_variant(name)[0] != "upstream"]
     results = measure(args, variants)
     command = argv if argv is not None else sys.argv[1:]

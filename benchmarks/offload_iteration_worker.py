@@ -46,6 +46,14 @@ a forward-only pass right after the previous step (it waits for whatever of that
 running), a second forward-only pass, the training passes (forward and backward of every
 micro-batch) and ``optimizer.step()``."""
 
+FULL_RECOMPUTE = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
+"""The TransformerConfig fields of ``--recompute``: each layer's activations recomputed in the
+backward, so that only its input stays between the passes."""
+
 PROFILED_ITERATIONS = 3
 """Training iterations recorded in a ``--profile`` trace."""
 
@@ -145,6 +153,7 @@ def transformer_config(args, device: str):
         # The CPU stand-ins have no CUDA generator to initialize weights with.
         use_cpu_initialization=device == "cpu",
         deterministic_mode=args.deterministic,
+        **(FULL_RECOMPUTE if args.recompute else {}),
     )
 
 

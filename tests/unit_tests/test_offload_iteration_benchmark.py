@@ -108,6 +108,23 @@ def test_a_worker_is_told_its_variant_and_only_the_first_round_profiles(tmp_path
     assert bench.worker_spec(args, "gpu", 0)["fraction"] == 0.0
 
 
+SMALL_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 256}
+"""Sizes that override the defaults where a test builds a config."""
+
+
+def test_recompute_reaches_the_worker_s_model_as_full_recompute_of_each_layer():
+    import argparse  # pylint: disable=import-outside-toplevel
+
+    import offload_iteration_worker as worker  # pylint: disable=import-outside-toplevel
+
+    for argv, expected in (([], None), (["--recompute"], "full")):
+        spec = bench.worker_spec(bench.parse_args(argv), "fork@1.0", 0)
+        config = worker.transformer_config(argparse.Namespace(**{**spec, **SMALL_MODEL}), "cpu")
+        assert config.recompute_granularity == expected
+        if expected:
+            assert (config.recompute_method, config.recompute_num_layers) == ("uniform", 1)
+
+
 def test_one_variant_s_processes_combine_into_medians_extremes_and_peaks():
     processes = [
         process("fork@1.0", 0, 2.0, phases=(0.9, 0.3, 1.0, 0.5), pinned_peak=5, gpu_peak=7),
