@@ -420,6 +420,22 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+"""Where the NVIDIA Multi-Process Service's daemon keeps its control pipe unless
+``CUDA_MPS_PIPE_DIRECTORY`` says otherwise."""
+
+
+def gpu_sharing(device: str) -> str:
+    """How the ranks' processes share the one GPU: ``MPS`` where the Multi-Process Service's
+    daemon runs (its control pipe exists; their kernels then run side by side, nearer a GPU per
+    rank), ``time-sliced`` otherwise (the GPU runs one process's work at a time), ``none``
+    without CUDA."""
+    if device != "cuda":
+        return "none"
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT)
+    return "MPS" if os.path.exists(os.path.join(pipes, "control")) else "time-sliced"
+
+
 def main(argv=None) -> dict:
     """Time every case, N, fraction and setting; print the table, write and return the JSON."""
     args = parse_args(argv)
@@ -433,8 +449,10 @@ def main(argv=None) -> dict:
     report["default_threads"] = torch_default_threads()
     report["usable_cores"] = policy_threads_for(1)
     report["set_restore_us"] = set_restore_cost_us(report["usable_cores"])
+    report["gpu_sharing"] = gpu_sharing(device)
     print(
-        f"Ranks per host on {report['device']}; torch {torch.__version__}; "
+        f"Ranks per host on {report['device']} (GPU sharing: {report['gpu_sharing']}); "
+        f"torch {torch.__version__}; "
         f"{report['usable_cores']} usable cores; torch's default threads "
         f"{report['default_threads']}; switching one thread to {report['usable_cores']} for a "
         f"host step and back adds {report['set_restore_us']:.1f} us"

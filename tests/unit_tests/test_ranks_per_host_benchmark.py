@@ -69,3 +69,11 @@ def test_the_benchmark_runs_two_ranks_and_writes_every_row_s_figures(tmp_path):
             assert row["params_equal"] is True
     saved = json.loads((tmp_path / f"ranks_per_host_{report['device_kind']}.json").read_text())
     assert saved["rows"] == rows and saved["default_threads"] >= 1
+
+
+def test_the_header_says_whether_the_ranks_share_the_gpu_through_mps(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert ranks_per_host.gpu_sharing("cpu") == "none"
+    assert ranks_per_host.gpu_sharing("cuda") == "time-sliced"
+    (tmp_path / "control").touch()  # what the daemon leaves while it runs
+    assert ranks_per_host.gpu_sharing("cuda") == "MPS"
