@@ -34,11 +34,13 @@ def buckets_of(hosts, cap):
     )
 
 
-def planned(numels, caps, roomy=False, slots=3, keep_slots=False):
-    """The kept plan for these shards and ``(cap, part bytes)`` choices, within upstream's
-    pinned budget, or (``roomy``) one that pins everything."""
+def planned(numels, caps, roomy=False, slots=3, keep_slots=False, pins_widened=False):
+    """The kept plan for these shards and ``(cap, part bytes)`` choices, within the pinned budget
+    of megatron-core 0.19.2 (widened copies pageable) on whichever release the test runs beside,
+    or of main (``pins_widened``), or (``roomy``) one that pins everything."""
     hosts, _, param_of = shards(numels)
     with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_module, "upstream_pins_widened_copies", lambda: pins_widened)
         if roomy:
             patch.setattr(plan_module, "upstream_pinned_bytes", lambda *_, **__: 1 << 30)
         return plan_module.plan_host(
@@ -130,7 +132,7 @@ def test_small_copies_pack_into_one_bucket_laid_out_at_aligned_offsets():
     assert bucket.nbytes == 128 + 4 * 17 and kept.units == [(0, bucket.nbytes)]
 
 
-def test_on_a_release_that_pins_widened_copies_the_budget_pins_every_fp32_copy(monkeypatch):
+def test_on_a_release_that_pins_widened_copies_the_budget_pins_every_fp32_copy():
     """Megatron-LM main (0.20) pins an offloaded parameter's widened fp32 copy with
     ``pin_cpu_params``; 0.19.2 leaves it pageable. Planned against main's total, every host copy
     is pinned and none goes up through a ring slot."""
@@ -139,8 +141,7 @@ def test_on_a_release_that_pins_widened_copies_the_budget_pins_every_fp32_copy(m
     narrow = plan_module.upstream_pinned_bytes(copies, True, held=True)
     wide = plan_module.upstream_pinned_bytes(copies, True, held=True, pins_widened=True)
     assert wide == narrow + sum(plan_module.pinned_block_bytes(h.numel() * 4) for h in hosts)
-    monkeypatch.setattr(plan_module, "upstream_pins_widened_copies", lambda: True)
-    kept = planned(UNEVEN, [(1 << 15, 0), (1 << 17, 0)])
+    kept = planned(UNEVEN, [(1 << 15, 0), (1 << 17, 0)], pins_widened=True)
     assert kept.budget == wide and kept.pageable_bytes == 0
     assert sum(map(plan_module.pinned_block_bytes, kept.ring_bytes)) + kept.pinned_bytes <= wide
 
