@@ -455,9 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--recompute",
         action="store_true",
-        help="recompute every layer in the backward (megatron-core's full recompute, uniform, "
-        "one layer at a time: --recompute-activations in Megatron-LM), so that a micro-batch "
-        "of many tokens fits, as RL clients with dynamic batch sizes run it",
+        help="recompute every layer in the backward (Megatron-LM's --recompute-granularity full "
+        "--recompute-method uniform --recompute-num-layers 1), so that a micro-batch of many "
+        "tokens fits, as RL clients with dynamic batch sizes run it",
     )
     model.add_argument(
         "--deterministic",

@@ -71,7 +71,9 @@ def test_the_benchmark_runs_two_ranks_and_writes_every_row_s_figures(tmp_path):
     assert saved["rows"] == rows and saved["default_threads"] >= 1
 
 
-def test_the_header_says_whether_the_ranks_share_the_gpu_through_mps(tmp_path, monkeypatch):
+def test_the_benchmark_tells_ranks_sharing_the_gpu_through_mps_from_time_slicing(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     assert ranks_per_host.gpu_sharing("cpu") == "none"
     assert ranks_per_host.gpu_sharing("cuda") == "time-sliced"
