@@ -92,6 +92,21 @@ BARRIER_S = 300
 GRADIENTS = "decoupled"
 """The precision-aware optimizer's gradients: fp32 ``decoupled_grad`` views of one buffer."""
 
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+"""Where the NVIDIA Multi-Process Service's daemon keeps its control pipe unless
+``CUDA_MPS_PIPE_DIRECTORY`` says otherwise."""
+
+
+def gpu_sharing(device: str) -> str:
+    """How the ranks' processes share the one GPU: ``MPS`` where the Multi-Process Service's
+    daemon runs (its control pipe exists; their kernels then run side by side, nearer a GPU per
+    rank), ``time-sliced`` otherwise (the GPU runs one process's work at a time), ``none``
+    without CUDA."""
+    if device != "cuda":
+        return "none"
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT)
+    return "MPS" if os.path.exists(os.path.join(pipes, "control")) else "time-sliced"
+
 
 def torch_default_threads() -> int:
     """Intra-op threads torch gives a process started without ``OMP_NUM_THREADS``."""
@@ -418,22 +433,6 @@ def parse_args(argv=None):
     for flag, settings in OPTIONS.items():
         parser.add_argument(flag, **settings)
     return parser.parse_args(argv)
-
-
-MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
-"""Where the NVIDIA Multi-Process Service's daemon keeps its control pipe unless
-``CUDA_MPS_PIPE_DIRECTORY`` says otherwise."""
-
-
-def gpu_sharing(device: str) -> str:
-    """How the ranks' processes share the one GPU: ``MPS`` where the Multi-Process Service's
-    daemon runs (its control pipe exists; their kernels then run side by side, nearer a GPU per
-    rank), ``time-sliced`` otherwise (the GPU runs one process's work at a time), ``none``
-    without CUDA."""
-    if device != "cuda":
-        return "none"
-    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", MPS_PIPE_DEFAULT)
-    return "MPS" if os.path.exists(os.path.join(pipes, "control")) else "time-sliced"
 
 
 def main(argv=None) -> dict:
