@@ -18,6 +18,7 @@ Where the fork deliberately differs from upstream (step handling, the inner-grou
 
 import itertools
 import random
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -53,6 +54,20 @@ LR = 0.01
 
 UPSTREAM = distrib_optimizer_upstream.load()
 needs_upstream = pytest.mark.skipif(UPSTREAM is None, reason="upstream's module is not available")
+
+
+def patch_global(monkeypatch, module, name, value):
+    """Replace ``name`` wherever ``module``'s ``DistributedOptimizer`` looks it up: upstream's
+    class in its one module, the fork's in each of its modules that imports the name."""
+    prefix = module.__name__ + "_"
+    mixins = {cls.__module__ for cls in module.DistributedOptimizer.__mro__}
+    modules = [module] + [sys.modules[home] for home in sorted(mixins) if home.startswith(prefix)]
+    targets = [found for found in modules if name in vars(found)]
+    assert targets, f"no module of {module.__name__} uses {name}"
+    for target in targets:
+        monkeypatch.setattr(target, name, value)
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 IMPLEMENTATIONS = [fork] + ([UPSTREAM] if UPSTREAM is not None else [])
 
@@ -723,8 +738,9 @@ def test_copy_model_params_to_main_params_refreshes_copies_kept_by_the_inner_opt
 
 
 def _fake_fp8(monkeypatch, module, recorded):
-    monkeypatch.setattr(module, "is_float8tensor", lambda t: getattr(t, "fake_fp8", False))
-    monkeypatch.setattr(
+    patch_global(monkeypatch, module, "is_float8tensor", lambda t: getattr(t, "fake_fp8", False))
+    patch_global(
+        monkeypatch,
         module,
         "quantize_param_shard",
         lambda params, mains, offsets, group: recorded.append((params, mains, offsets, group)),
@@ -786,10 +802,15 @@ def test_nvfp4_params_match_upstream(monkeypatch, keeps_init_value, world_size, 
     setups = []
     for module in (fork, UPSTREAM):
         recorded = []
-        monkeypatch.setattr(module, "is_nvfp4tensor", lambda t: getattr(t, "fake_nvfp4", False))
-        monkeypatch.setattr(module, "is_grouped_nvfp4tensor", lambda t: False)
-        monkeypatch.setattr(
-            module, "quantize_nvfp4_param_shard", lambda *args, calls=recorded: calls.append(args)
+        patch_global(
+            monkeypatch, module, "is_nvfp4tensor", lambda t: getattr(t, "fake_nvfp4", False)
+        )
+        patch_global(monkeypatch, module, "is_grouped_nvfp4tensor", lambda t: False)
+        patch_global(
+            monkeypatch,
+            module,
+            "quantize_nvfp4_param_shard",
+            lambda *args, calls=recorded: calls.append(args),
         )
         model = TinyModel()
         weight = model.proj.weight
@@ -851,11 +872,17 @@ def test_expand_quantized_param_shard_matches_upstream(monkeypatch):
     rng = random.Random(0)
     members_of = {}
     for module in (fork, UPSTREAM):
-        monkeypatch.setattr(
-            module, "is_grouped_tensor_with_quantized_storage", lambda t: id(t) in members_of
+        patch_global(
+            monkeypatch,
+            module,
+            "is_grouped_tensor_with_quantized_storage",
+            lambda t: id(t) in members_of,
         )
-        monkeypatch.setattr(
-            module, "get_grouped_quantized_members", lambda t, create_if_missing: members_of[id(t)]
+        patch_global(
+            monkeypatch,
+            module,
+            "get_grouped_quantized_members",
+            lambda t, create_if_missing: members_of[id(t)],
         )
     for _ in range(60):
         sizes = [rng.randint(1, 9) for _ in range(rng.randint(1, 5))]

@@ -64,7 +64,7 @@ from megatron.core.optimizer.distrib_optimizer_formats import (
     LAYOUT_FREE_FORMATS,
     format_named,
 )
-from megatron.core.optimizer.distrib_optimizer_param_state import PlannedParamStateLoadMixin
+from megatron.core.optimizer.distrib_optimizer_load import PlannedParamStateLoadMixin
 from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 from megatron.core.utils import log_single_rank
 
