@@ -45,6 +45,7 @@ sharded_state = pytest.importorskip(
     "megatron.core.optimizer.distrib_optimizer_sharded_state",
     reason="the fork's module is not importable (overlay off?)",
 )
+model_space = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_model_space")
 ranges = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_ranges")
 param_state = pytest.importorskip("megatron.core.optimizer.distrib_optimizer_param_state")
 inner = pytest.importorskip("megatron.core.optimizer.inner_optimizer_state")
@@ -317,8 +318,8 @@ class Host:
         }
 
 
-class ForkHost(Mixin, Host):
-    """The double with the fork's sharded-state methods."""
+class ForkHost(Mixin, model_space.DistributedOptimizerModelSpaceStateMixin, Host):
+    """The double with the fork's sharded-state methods, the model-shaped formats' included."""
 
 
 UpstreamHost = type(

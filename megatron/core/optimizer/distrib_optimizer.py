@@ -17,9 +17,10 @@ parameter sync. The rest comes from mixins, a module each:
 * :class:`MainParamCopiesMixin`: gradients into the inner optimizer, updated values back into
   the parameter buffer, FP8/NVFP4 casts;
 * :class:`ModelParamReloadMixin`: main pieces refreshed from model weights or a checkpoint;
-* :class:`DistributedOptimizerShardedStateMixin` (distributed checkpointing) and
-  :class:`DistributedOptimizerParameterStateMixin` (``torch.save`` files): the formats of the
-  parameter state.
+* the formats of the parameter state: :class:`DistributedOptimizerShardedStateMixin`
+  (distributed checkpointing; its model-shaped formats in
+  :class:`DistributedOptimizerModelSpaceStateMixin`) and
+  :class:`DistributedOptimizerParameterStateMixin` (``torch.save`` files).
 
 Every load runs one pipeline (plan, agree, write, finish:
 :class:`~megatron.core.optimizer.distrib_optimizer_load.PlannedParamStateLoadMixin`), and every
@@ -47,6 +48,9 @@ from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer_behind import StepBehindForward
 from megatron.core.optimizer.distrib_optimizer_formats import FORMATS
 from megatron.core.optimizer.distrib_optimizer_main_params import MainParamCopiesMixin
+from megatron.core.optimizer.distrib_optimizer_model_space import (
+    DistributedOptimizerModelSpaceStateMixin,
+)
 from megatron.core.optimizer.distrib_optimizer_param_state import (
     DistributedOptimizerParameterStateMixin,
 )
@@ -154,6 +158,7 @@ def _inherit_param_attributes(shard: torch.Tensor, model_param: torch.Tensor) ->
 
 class DistributedOptimizer(
     DistributedOptimizerShardedStateMixin,
+    DistributedOptimizerModelSpaceStateMixin,
     DistributedOptimizerParameterStateMixin,
     DistributedOptimizerStateDictMixin,
     MainParamCopiesMixin,
