@@ -295,8 +295,10 @@ def test_switch_off_serves_upstream_modules(tmp_path):
     upstream = _upstream_megatron_dir()
     assert Path(report["core_file"]).resolve().parent.parent == upstream
     assert Path(report["hdo_file"]).resolve() == upstream / HDO_RELATIVE.relative_to("megatron")
-    site_dirs = _site_dirs()
-    assert any(upstream == d / "megatron" for d in site_dirs), f"{upstream} not in {site_dirs}"
+    # megatron-core's own distribution holds that folder, wherever pip put it (site-packages,
+    # or a --target folder a .pth file adds).
+    installed = Path(importlib.metadata.distribution("megatron-core").locate_file("megatron"))
+    assert upstream == installed.resolve(), f"{upstream} is not megatron-core's {installed}"
     assert not report["fork_marker"]
     assert report["same_class"] and report["reexport_same"]
     assert not any(_is_under(entry, fork.fork_root()) for entry in report["optimizer_path"])
