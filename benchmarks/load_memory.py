@@ -162,8 +162,18 @@ def progress_line(row, side, repeat, result):
     )
 
 
-def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1, out=None):
-    """Measure ``rows`` for both implementations; returns ``{row: {side: figures}}``.
+def run(
+    rows,
+    shape,
+    nproc,
+    steps_before,
+    steps_after,
+    log_dir=None,
+    repeats=1,
+    out=None,
+    sides=IMPLEMENTATIONS,
+):
+    """Measure ``rows`` for each implementation of ``sides``; returns ``{row: {side: figures}}``.
 
     With ``repeats`` above 1 each implementation loads again, the order of the two
     alternating, so that a slower machine phase does not fall on one side only (see
@@ -172,10 +182,10 @@ def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1, 
     ``out`` a stream, each job's :func:`progress_line` is written to it as the job ends.
     """
     cases = [distopt_resume.Case.parse(ROWS[row]) for row in rows]
-    runs = {row: {side: [] for side in IMPLEMENTATIONS} for row in rows}
+    runs = {row: {side: [] for side in sides} for row in rows}
     with tempfile.TemporaryDirectory(prefix="load_memory_") as workdir:
         for repeat in range(repeats):
-            order = IMPLEMENTATIONS if repeat % 2 == 0 else IMPLEMENTATIONS[::-1]
+            order = sides if repeat % 2 == 0 else sides[::-1]
             for side in order:
                 logs = log_dir and str(Path(log_dir) / f"logs_{side}_{repeat}")
                 results = distopt_resume.drive(
@@ -195,7 +205,7 @@ def run(rows, shape, nproc, steps_before, steps_after, log_dir=None, repeats=1, 
                     runs[row][side].append(result)
                     if out is not None:
                         print(progress_line(row, side, repeat, result), file=out, flush=True)
-    return {row: {side: summarise(runs[row][side]) for side in IMPLEMENTATIONS} for row in rows}
+    return {row: {side: summarise(runs[row][side]) for side in sides} for row in rows}
 
 
 def summarise(results):
@@ -258,6 +268,11 @@ def build_parser():
         "load_memory.json in it if it is a folder",
     )
     parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")
+    parser.add_argument(
+        "--skip-upstream",
+        action="store_true",
+        help="measure the fork alone (its table rows then say upstream was not run)",
+    )
     parser.add_argument(
         "--page-cache",
         choices=("warm", "as-left"),
@@ -323,6 +338,7 @@ def main(argv=None):
         args.log_dir,
         max(1, args.repeats),
         out=sys.stdout,
+        sides=("fork",) if args.skip_upstream else IMPLEMENTATIONS,
     )
     report(table)
     if args.out:

@@ -435,6 +435,27 @@ def test_load_memory_reports_phases_in_state_sets():
     assert offloaded["read_peak"] is None and offloaded["read_peak_mib"] == 7
 
 
+def test_load_memory_skip_upstream_runs_only_the_fork_s_jobs(monkeypatch, capsys):
+    """``--skip-upstream`` starts no upstream job, and the table says upstream was not run."""
+    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_fork_alone")
+    sides = []
+
+    def drive(cases, pairs, *_, **__):
+        sides.append(pairs[0][0])
+        state = {"gpu_moments": 2**20, "gpu_all": 2**20}
+        result = {"optimizer_state_bytes": state, "load_seconds": 1.0, "exact": True}
+        return {case.key(1, pairs[0][0], pairs[0][0]): result for case in cases}
+
+    monkeypatch.setattr(benchmark.distopt_resume, "drive", drive)
+    monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(benchmark.torch.cuda, "get_device_name", lambda: "a test device")
+    argv = ["--rows", "bf16-dp_reshardable", "--skip-upstream", "--repeats", "2"]
+    assert benchmark.main(argv) == 0
+    assert sides == ["fork", "fork"]
+    printed = capsys.readouterr().out
+    assert "upstream  not run" in printed and "fork" in printed
+
+
 def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypatch):
     """Repeated runs swap which implementation goes first; memory figures come from the first
     run that loaded, the load time is the median of the runs that loaded (a run whose resumed
