@@ -557,9 +557,9 @@ class DistributedOptimizer(
         return torch.float32
 
     def _loads_its_own_way(self, fmt) -> bool:
-        """Whether this optimizer's public loader of ``fmt`` is not the one defined here (a
-        subclass overrides it, or a client patched the class or wrapped the instance's): then
-        the load goes through it, as upstream's ``load_state_dict`` does."""
+        """Whether this optimizer's public loader of ``fmt`` is not the one its format mixin
+        defines (a subclass overrides it, or a client patched the class or wrapped the
+        instance's): then the load goes through it, as upstream's ``load_state_dict`` does."""
         loader = getattr(self, fmt.loader)
         return getattr(loader, "__func__", None) is not _OWN_LOADERS[fmt.loader]
 
@@ -664,8 +664,8 @@ class DistributedOptimizer(
         return succeeded
 
 
-# The public loaders as defined here, before any client patches the class: a load writes its
-# own plan through these, and goes through any other.
+# The public loaders as the format mixins define them, taken before any client patches the
+# class: a load writes its own plan through these, and goes through any other.
 _OWN_LOADERS = {
     fmt.loader: getattr(DistributedOptimizer, fmt.loader) for fmt in FORMATS.values() if fmt.loader
 }
