@@ -32,7 +32,7 @@ try:  # pytest puts this folder on sys.path while tests/ is no package (this rep
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import optimizer_table
 
-distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+upstream_modules = optimizer_table.sibling("upstream_modules")
 _buffer_doubles = optimizer_table.sibling("buffer_doubles")
 FakeGroup = _buffer_doubles.FakeGroup
 param_and_grad_buffers = _buffer_doubles.param_and_grad_buffers
@@ -52,7 +52,7 @@ GroupStepAdamW = _optimizer_doubles.GroupStepAdamW
 
 LR = 0.01
 
-UPSTREAM = distrib_optimizer_upstream.load()
+UPSTREAM = upstream_modules.load()
 needs_upstream = pytest.mark.skipif(UPSTREAM is None, reason="upstream's module is not available")
 
 
@@ -75,7 +75,7 @@ IMPLEMENTATIONS = [fork] + ([UPSTREAM] if UPSTREAM is not None else [])
 @pytest.fixture(autouse=True)
 def upstream_as_with_torch_adam(monkeypatch):
     """The inner optimizer here is torch AdamW: upstream runs as where it would build one."""
-    distrib_optimizer_upstream.as_with_torch_adam(UPSTREAM, monkeypatch)
+    upstream_modules.as_with_torch_adam(UPSTREAM, monkeypatch)
 
 
 # --------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ try:  # pytest puts this folder on sys.path while tests/ is no package (this rep
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import optimizer_table
 
-distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+upstream_modules = optimizer_table.sibling("upstream_modules")
 
 # The modules exist only in the fork; with the overlay off there is nothing to test.
 param_state = pytest.importorskip(
@@ -64,14 +64,14 @@ OTHER_LAYOUT = [
 
 # ------------------------------------------------------------------------ upstream module
 
-UPSTREAM = distrib_optimizer_upstream.load()
+UPSTREAM = upstream_modules.load()
 needs_upstream = pytest.mark.skipif(UPSTREAM is None, reason="upstream's module is not available")
 
 
 @pytest.fixture(autouse=True)
 def upstream_as_with_torch_adam(monkeypatch):
     """The inner optimizer here is torch AdamW: upstream runs as where it would build one."""
-    distrib_optimizer_upstream.as_with_torch_adam(UPSTREAM, monkeypatch)
+    upstream_modules.as_with_torch_adam(UPSTREAM, monkeypatch)
 
 
 def upstream_method(name):

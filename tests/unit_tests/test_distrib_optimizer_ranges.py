@@ -22,7 +22,7 @@ try:  # pytest puts this folder on sys.path while tests/ is no package (this rep
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import optimizer_table
 
-distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+upstream_modules = optimizer_table.sibling("upstream_modules")
 _buffer_doubles = optimizer_table.sibling("buffer_doubles")
 FakeGroup = _buffer_doubles.FakeGroup
 param_and_grad_buffers = _buffer_doubles.param_and_grad_buffers
@@ -35,7 +35,7 @@ ranges = pytest.importorskip(
 
 WORLD_SIZES = (1, 2, 3, 4, 8)
 RANGE_KEYS = ["gbuf_world", "gbuf_world_in_bucket", "gbuf_local", "param"]
-UPSTREAM_MODULE = distrib_optimizer_upstream.load()
+UPSTREAM_MODULE = upstream_modules.load()
 needs_upstream = pytest.mark.skipif(
     UPSTREAM_MODULE is None, reason="upstream's distrib_optimizer module is not available"
 )

@@ -37,7 +37,7 @@ try:  # pytest puts this folder on sys.path while tests/ is no package (this rep
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import optimizer_table
 
-distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+upstream_modules = optimizer_table.sibling("upstream_modules")
 FakeGroup = optimizer_table.sibling("buffer_doubles").FakeGroup
 FusedAdamDouble = optimizer_table.sibling("optimizer_doubles").FusedAdamDouble
 
@@ -53,7 +53,7 @@ LoadGuard = pytest.importorskip("megatron.core.optimizer.state_load_checks").Loa
 
 Mixin = sharded_state.DistributedOptimizerShardedStateMixin
 
-UPSTREAM = distrib_optimizer_upstream.load()
+UPSTREAM = upstream_modules.load()
 if UPSTREAM is None:
     # The double itself borrows upstream's methods, so nothing here runs without them.
     pytest.skip("upstream's distrib_optimizer module is not available", allow_module_level=True)

@@ -37,7 +37,7 @@ try:  # pytest puts this folder on sys.path while tests/ is no package (this rep
 except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
     from tests.unit_tests import optimizer_table
 
-distrib_optimizer_upstream = optimizer_table.sibling("distrib_optimizer_upstream")
+upstream_modules = optimizer_table.sibling("upstream_modules")
 
 MODULE = "megatron.core.optimizer.distrib_optimizer"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -67,12 +67,12 @@ def _fork_module_or_reason():
     if not overlay.is_active():
         return None, "the overlay is off (MEGATRON_OPTIMIZER_FORK=0 or not installed)"
     module = importlib.import_module(MODULE)
-    if distrib_optimizer_upstream.is_upstreams(module):
+    if upstream_modules.is_upstreams(module):
         return None, "the fork ships no distrib_optimizer.py: megatron.core resolves upstream's"
     return module, None
 
 
-UPSTREAM = distrib_optimizer_upstream.load()
+UPSTREAM = upstream_modules.load()
 FORK, FORK_MISSING = _fork_module_or_reason()
 pytestmark = [
     pytest.mark.skipif(UPSTREAM is None, reason="no copy of megatron-core's own module"),

@@ -18,6 +18,7 @@ import torch
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_buckets as buckets
 from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_in_place as in_place
+from megatron.core.optimizer.cpu_offloading import hybrid_optimizer_plan as plan
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
@@ -27,6 +28,7 @@ except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
 
 train_drawn = optimizer_table.sibling("test_optimizer_cpu_offloading").train_drawn
 host_buckets = optimizer_table.sibling("test_optimizer_cpu_offloading").host_buckets
+upstream_modules = optimizer_table.sibling("upstream_modules")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -189,14 +191,11 @@ def test_packed_buckets_match_upstream_bit_for_bit(fraction, monkeypatch):
     """The same inputs through upstream 0.19.2's HDO (one optimizer per parameter). Every
     parameter has its gradient: upstream steps a parameter without one on its last gradient
     (which the fork does not), so missing gradients are compared with the fork alone."""
-    overlay = pytest.importorskip("megatron_optimizer_fork")
-    upstream = overlay.load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer")
+    upstream_class = upstream_modules.hybrid_optimizer_class()
     packed = run(fraction, BUCKET_BYTES, monkeypatch, grads=every_grad, param_update_in_fp32=True)
     assert packed_buckets(packed[1])
     params = make_params()
-    reference = make_optimizer(
-        params, fraction, upstream.HybridDeviceOptimizer, param_update_in_fp32=True
-    )
+    reference = make_optimizer(params, fraction, upstream_class, param_update_in_fp32=True)
     train(params, reference, 4, seed=7, grads=every_grad)
     for index, (param, ref) in enumerate(zip(packed[0], params)):
         assert torch.equal(param, ref), f"parameter {index}"
@@ -261,16 +260,20 @@ def test_a_step_called_from_another_device_waits_for_the_gradients_device():
 @requires_cuda
 def test_packed_pinned_storage_stays_within_upstreams(monkeypatch):
     """Ring slots plus pinned blocks: the process pins (in the host allocator's blocks) no
-    more than upstream would for the same parameters, and the blocks pinned first are the first
-    to upload."""
+    more than the megatron-core around the fork would for the same parameters (0.19.2 keeps
+    widened fp32 copies pageable, main pins them), and the blocks pinned first are the first to
+    upload."""
     memory = pytest.importorskip("megatron_optimizer_fork.memory")
     memory.release_cached_pinned_memory()
     before = memory.pinned_bytes_held()
     params, optimizer = run(1.0, BUCKET_BYTES, monkeypatch, steps=1, param_update_in_fp32=True)
     memory.release_cached_pinned_memory()  # what stays held is what the optimizer's tensors use
     held = memory.pinned_bytes_held() - before
-    budget = hybrid_optimizer.upstream_pinned_bytes(
-        [(h, p) for p, h in optimizer.gpu_params_map_cpu_copy.items()], True, held=True
+    budget = plan.upstream_pinned_bytes(
+        [(h, p) for p, h in optimizer.gpu_params_map_cpu_copy.items()],
+        True,
+        held=True,
+        pins_widened=plan.upstream_pins_widened_copies(),
     )
     assert 0 < held <= budget
     packed = packed_host_buckets(optimizer)

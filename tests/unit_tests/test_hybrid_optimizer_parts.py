@@ -204,6 +204,7 @@ def test_parts_leave_more_copies_pinned_within_upstreams_pinned_memory(monkeypat
     three slots take a part's each, so one more copy is pinned; the process still pins no more
     than upstream would."""
     memory = pytest.importorskip("megatron_optimizer_fork.memory")
+    offloading.plan_pins_within_0_19_2s_budget(monkeypatch)
     pinned_copies = {}
     for part_bytes in (0, PART_BYTES):
         memory.release_cached_pinned_memory()

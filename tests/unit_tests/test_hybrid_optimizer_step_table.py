@@ -33,6 +33,13 @@ from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_buckets import CopyPart
 
+try:  # pytest puts this folder on sys.path while tests/ is no package (this repository)
+    import optimizer_table
+except ModuleNotFoundError:  # Megatron-LM's tests/ is a package
+    from tests.unit_tests import optimizer_table
+
+upstream_modules = optimizer_table.sibling("upstream_modules")
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORK = getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False)
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -535,9 +542,7 @@ def restore(params: List[torch.Tensor], values: List[torch.Tensor]) -> None:
 @pytest.fixture(name="upstream_hdo_class", scope="module")
 def fixture_upstream_hdo_class():
     """Upstream megatron-core 0.19.2's HybridDeviceOptimizer, loaded from its own file."""
-    overlay = pytest.importorskip("megatron_optimizer_fork")
-    module = overlay.load_upstream_module("optimizer.cpu_offloading.hybrid_optimizer")
-    return module.HybridDeviceOptimizer
+    return upstream_modules.hybrid_optimizer_class()
 
 
 @requires_cuda
