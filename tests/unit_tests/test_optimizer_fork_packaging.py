@@ -471,6 +471,21 @@ def test_upstream_modules_with_relative_imports_load_beside_the_fork():
     assert fork.load_upstream_module("optimizer.distrib_optimizer") is module
 
 
+def test_a_vendored_tree_never_hands_the_fork_s_module_to_the_tests_as_upstreams(monkeypatch):
+    """In a vendored Megatron-LM tree the file beside ``megatron.core`` is the fork's, so what
+    ``load_upstream_module`` loads there is the fork: the tests' finder of upstream's copy then
+    gives none, and the HDO comparisons skip rather than compare the fork with itself."""
+    if not fork.is_active():
+        pytest.skip("the overlay is off: megatron.core's modules are upstream's")
+    upstream_modules = importlib.import_module("upstream_modules")  # this folder is on sys.path
+    names = (upstream_modules.DISTRIB_OPTIMIZER, upstream_modules.HYBRID_OPTIMIZER)
+    assert all(upstream_modules.load(name) is not None for name in names)
+    monkeypatch.setattr(fork, "load_upstream_module", importlib.import_module)
+    assert [upstream_modules.load(name) for name in names] == [None, None]
+    with pytest.raises(pytest.skip.Exception):
+        upstream_modules.hybrid_optimizer_class()
+
+
 def test_a_fork_class_says_once_which_implementation_runs(monkeypatch, caplog):
     """The first HybridDeviceOptimizer of a process logs the fork, its version and its file;
     later ones stay quiet. The DistributedOptimizer module carries the fork's marker too."""
