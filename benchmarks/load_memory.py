@@ -143,6 +143,25 @@ def report(table, out=sys.stdout):
             )
             if item.get("error"):
                 print(f"  {'':9} error: {item['error'][:300]}", file=out)
+    print(file=out)
+    for side, folders in module_folders(table).items():
+        print(f"{side} modules from: {', '.join(folders) or 'not reported'}", file=out)
+
+
+def module_folders(table):
+    """The folders of the ``distrib_optimizer`` modules each implementation's jobs saved and
+    loaded with, over every row: what a run measured, whichever tree or site it ran from.
+
+    Returns:
+        dict: implementation -> sorted folders (empty where no job reported one).
+    """
+    folders = {}
+    for by_side in table.values():
+        for side, item in by_side.items():
+            files = (item.get("raw") or {}).get("module_files") or {}
+            found = folders.setdefault(side, set())
+            found.update(os.path.dirname(path) for path in files.values() if path)
+    return {side: sorted(found) for side, found in folders.items()}
 
 
 def progress_line(row, side, repeat, result):

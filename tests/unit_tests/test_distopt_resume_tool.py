@@ -436,14 +436,17 @@ def test_load_memory_reports_phases_in_state_sets():
 
 
 def test_load_memory_skip_upstream_runs_only_the_fork_s_jobs(monkeypatch, capsys):
-    """``--skip-upstream`` starts no upstream job, and the table says upstream was not run."""
+    """``--skip-upstream`` starts no upstream job, and the table says upstream was not run and
+    where the fork's modules came from."""
     benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_fork_alone")
     sides = []
 
     def drive(cases, pairs, *_, **__):
         sides.append(pairs[0][0])
         state = {"gpu_moments": 2**20, "gpu_all": 2**20}
+        module = os.path.join("tree", "megatron", "core", "optimizer", "distrib_optimizer.py")
         result = {"optimizer_state_bytes": state, "load_seconds": 1.0, "exact": True}
+        result["module_files"] = {"save": module, "load": module}
         return {case.key(1, pairs[0][0], pairs[0][0]): result for case in cases}
 
     monkeypatch.setattr(benchmark.distopt_resume, "drive", drive)
@@ -454,6 +457,8 @@ def test_load_memory_skip_upstream_runs_only_the_fork_s_jobs(monkeypatch, capsys
     assert sides == ["fork", "fork"]
     printed = capsys.readouterr().out
     assert "upstream  not run" in printed and "fork" in printed
+    folder = os.path.join("tree", "megatron", "core", "optimizer")
+    assert f"fork modules from: {folder}\n" in printed and "upstream modules" not in printed
 
 
 def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypatch):
