@@ -35,10 +35,10 @@
 # Runs are vendored: the checkout itself is `megatron.core` (PYTHONPATH=<checkout>), whatever
 # megatron-core the interpreter has installed. An installed fork overlay is switched off
 # (MEGATRON_OPTIMIZER_FORK=0) and a preflight check proves where each module comes from.
-# Besides torch and pytest, the checkout's conftest needs `requests` (at main; older branches'
-# helpers also import `mock`): the script names what is missing and stops. A test file that
-# needs Transformer Engine (test_optimizer.py at main) or another absent package is named with
-# the package and counts as one error in every column. On a CPU-only host most
+# Besides torch and pytest, the checkout's conftest needs `requests`: the script names what is
+# missing and stops. A test file that needs an absent package (at main, test_optimizer.py needs
+# Transformer Engine, and `mock` through tests/unit_tests/test_utils.py) is named with the
+# package and counts as one error in every column. On a CPU-only host most
 # of the selection asks for CUDA and NCCL and fails the same way with and without the change:
 # compare the columns. The checkout's conftest downloads test data into /opt/data; requests go
 # to a closed local port unless ALLOW_NETWORK=1.
