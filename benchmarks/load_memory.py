@@ -29,6 +29,7 @@ times compare the two loads rather than what the disk happened to have cached fo
 Needs CUDA and Transformer Engine (rows needing TE are reported as skipped without it)."""
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -56,6 +57,8 @@ ROWS = {
 
 PHASES = ("is_loading", "read", "load_state_dict")
 IMPLEMENTATIONS = ("upstream", "fork")
+TREE_PREFIX = "fork@"
+"""Sides of ``--fork-tree``: ``fork@PATH`` loads with the fork's modules of the checkout at PATH."""
 
 
 def figures(result):
@@ -114,7 +117,7 @@ def report(table, out=sys.stdout):
             + f" | {'peak':>5} {'load s':>7} {'phases s':>14} exact",
             file=out,
         )
-        for side in IMPLEMENTATIONS:
+        for side in [*IMPLEMENTATIONS, *(side for side in by_side if side not in IMPLEMENTATIONS)]:
             item = by_side.get(side)
             if item is None:
                 print(f"  {side:9} not run", file=out)
@@ -206,25 +209,52 @@ def run(
         for repeat in range(repeats):
             order = sides if repeat % 2 == 0 else sides[::-1]
             for side in order:
-                logs = log_dir and str(Path(log_dir) / f"logs_{side}_{repeat}")
-                results = distopt_resume.drive(
-                    cases,
-                    [(side, side)],
-                    nproc,
-                    steps_before,
-                    steps_after,
-                    workdir=str(Path(workdir) / side),
-                    side_by_side=False,
-                    shape=shape,
-                    log_dir=logs,
-                    reuse_saves=True,
-                )
+                implementation, tree = implementation_of(side)
+                # A tree's path is no folder name.
+                folder = side if tree is None else f"fork_tree{sides.index(side)}"
+                logs = log_dir and str(Path(log_dir) / f"logs_{folder}_{repeat}")
+                with fork_tree_environment(tree):
+                    results = distopt_resume.drive(
+                        cases,
+                        [(implementation, implementation)],
+                        nproc,
+                        steps_before,
+                        steps_after,
+                        workdir=str(Path(workdir) / folder),
+                        side_by_side=False,
+                        shape=shape,
+                        log_dir=logs,
+                        reuse_saves=True,
+                    )
                 for row, case in zip(rows, cases):
-                    result = results.get(case.key(nproc, side, side), {"error": "no result"})
+                    key = case.key(nproc, implementation, implementation)
+                    result = results.get(key, {"error": "no result"})
                     runs[row][side].append(result)
                     if out is not None:
                         print(progress_line(row, side, repeat, result), file=out, flush=True)
     return {row: {side: summarise(runs[row][side]) for side in sides} for row in rows}
+
+
+def implementation_of(side):
+    """``(implementation, tree)`` of a side: ``fork@PATH`` is the fork from checkout PATH."""
+    if side.startswith(TREE_PREFIX):
+        return "fork", side[len(TREE_PREFIX) :]
+    return side, None
+
+
+@contextlib.contextmanager
+def fork_tree_environment(tree):
+    """Inside, the jobs started (they inherit the environment) take the fork's modules from
+    ``tree``'s ``megatron/`` folder; with ``tree`` None, from wherever the overlay serves them."""
+    before = os.environ.pop(distopt_resume.FORK_TREE_ENV, None)
+    if tree is not None:
+        os.environ[distopt_resume.FORK_TREE_ENV] = os.path.abspath(tree)
+    try:
+        yield
+    finally:
+        os.environ.pop(distopt_resume.FORK_TREE_ENV, None)
+        if before is not None:
+            os.environ[distopt_resume.FORK_TREE_ENV] = before
 
 
 def summarise(results):
@@ -257,7 +287,8 @@ def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n", maxsplit=1)[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Exit status: 0 when every row ran for the fork, 1 otherwise, 2 without CUDA.",
+        epilog="Exit status: 0 when every row ran for the fork (and each --fork-tree), "
+        "1 otherwise, 2 without CUDA.",
     )
     parser.add_argument(
         "--rows",
@@ -287,6 +318,16 @@ def build_parser():
         "load_memory.json in it if it is a folder",
     )
     parser.add_argument("--log-dir", help="keep the torchrun jobs' logs here")
+    parser.add_argument(
+        "--fork-tree",
+        nargs="+",
+        default=[],
+        metavar="PATH",
+        help="also load with the fork's modules from the megatron/ folder of each checkout PATH "
+        "(another commit: scripts/fork_tree.sh COMMIT writes it to .ab/COMMIT), in the same run "
+        "and in turn with the others, as sides fork@PATH; the installed megatron-core and "
+        "overlay serve everything else",
+    )
     parser.add_argument(
         "--skip-upstream",
         action="store_true",
@@ -333,7 +374,11 @@ def json_file(out: str) -> Path:
 
 def main(argv=None):
     """Measure, print the table, write the JSON."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for tree in args.fork_tree:
+        if not os.path.isdir(os.path.join(tree, "megatron", "core", "optimizer")):
+            parser.error(f"--fork-tree {tree}: no megatron/core/optimizer there")
     # Both read by every load job (they inherit this environment).
     os.environ[distopt_resume.PAGE_CACHE_ENV] = "1" if args.page_cache == "warm" else "0"
     if args.profile:
@@ -357,7 +402,8 @@ def main(argv=None):
         args.log_dir,
         max(1, args.repeats),
         out=sys.stdout,
-        sides=("fork",) if args.skip_upstream else IMPLEMENTATIONS,
+        sides=(("fork",) if args.skip_upstream else IMPLEMENTATIONS)
+        + tuple(TREE_PREFIX + tree for tree in args.fork_tree),
     )
     report(table)
     if args.out:
@@ -365,8 +411,10 @@ def main(argv=None):
     if args.profile:
         report_profiles(table)
     ran = all(
-        "raw" in by_side.get("fork", {}) and not by_side["fork"].get("error")
+        "raw" in item and not item.get("error")
         for by_side in table.values()
+        for side, item in by_side.items()
+        if side != "upstream"
     )
     return 0 if ran else 1
 

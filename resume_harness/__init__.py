@@ -53,6 +53,7 @@ from .snapshots import compare, snapshot
 from .table import DTYPES, IMPLEMENTATIONS, MOMENT_KEYS, OFFLOAD_FRACTIONS
 from .worker import (
     FOLLOW_UP_STREAM,
+    FORK_TREE_ENV,
     LOAD_SEED,
     SAVE_SEED,
     TRAIN_STREAM,

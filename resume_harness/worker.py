@@ -16,6 +16,9 @@ MODULE = "megatron.core.optimizer.distrib_optimizer"
 BATCH = 8
 TRAIN_STREAM, FOLLOW_UP_STREAM = 1, 2
 SAVE_SEED, LOAD_SEED = 1, 7
+FORK_TREE_ENV = "RESUME_HARNESS_FORK_TREE"
+"""A checkout whose ``megatron/`` folder serves the fork's modules in this job instead of the
+installed overlay's (another commit's code, timed beside the current one)."""
 
 
 def select_implementation(implementation):
@@ -30,6 +33,12 @@ def select_implementation(implementation):
     elif not overlay.is_enabled():
         raise SystemExit(f"--*-with fork, but {overlay.ENV_VAR} switches the overlay off")
     else:
+        tree = os.environ.get(FORK_TREE_ENV)
+        if tree:
+            root = os.path.abspath(tree)
+            if not os.path.isdir(os.path.join(root, "megatron", "core", "optimizer")):
+                raise SystemExit(f"{FORK_TREE_ENV}={tree}: no megatron/core/optimizer there")
+            overlay.fork_root = lambda: root  # the overlay's finder asks for it at each import
         overlay.install()
     module = importlib.import_module(MODULE)
     path = Path(module.__file__).resolve()

@@ -8,6 +8,9 @@ import gc
 import io
 import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -435,30 +438,87 @@ def test_load_memory_reports_phases_in_state_sets():
     assert offloaded["read_peak"] is None and offloaded["read_peak_mib"] == 7
 
 
-def test_load_memory_skip_upstream_runs_only_the_fork_s_jobs(monkeypatch, capsys):
-    """``--skip-upstream`` starts no upstream job, and the table says upstream was not run and
-    where the fork's modules came from."""
-    benchmark = load_tool("../benchmarks/load_memory.py", "load_memory_fork_alone")
-    sides = []
+def _load_memory_without_gpu(monkeypatch, name):
+    """``load_memory.py`` with its torchrun jobs replaced: each records (implementation, the
+    fork tree it was told, its work folder) and reports an exact 1 s load whose modules came
+    from that tree (from ``installed`` where none was told). Returns (benchmark, jobs)."""
+    benchmark = load_tool("../benchmarks/load_memory.py", name)
+    jobs = []
 
-    def drive(cases, pairs, *_, **__):
-        sides.append(pairs[0][0])
+    def drive(cases, pairs, *_, **settings):
+        implementation = pairs[0][0]
+        told = os.environ.get(tool.FORK_TREE_ENV)
+        jobs.append((implementation, told, Path(settings["workdir"]).name))
+        module = os.path.join(told or "installed", "megatron", "core", "optimizer", "d.py")
         state = {"gpu_moments": 2**20, "gpu_all": 2**20}
-        module = os.path.join("tree", "megatron", "core", "optimizer", "distrib_optimizer.py")
         result = {"optimizer_state_bytes": state, "load_seconds": 1.0, "exact": True}
         result["module_files"] = {"save": module, "load": module}
-        return {case.key(1, pairs[0][0], pairs[0][0]): result for case in cases}
+        return {case.key(1, implementation, implementation): result for case in cases}
 
     monkeypatch.setattr(benchmark.distopt_resume, "drive", drive)
     monkeypatch.setattr(benchmark.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(benchmark.torch.cuda, "get_device_name", lambda: "a test device")
+    monkeypatch.delenv(tool.FORK_TREE_ENV, raising=False)
+    return benchmark, jobs
+
+
+def test_load_memory_skip_upstream_runs_only_the_fork_s_jobs(monkeypatch, capsys):
+    """``--skip-upstream`` starts no upstream job, and the table says upstream was not run and
+    where the fork's modules came from."""
+    benchmark, jobs = _load_memory_without_gpu(monkeypatch, "load_memory_fork_alone")
     argv = ["--rows", "bf16-dp_reshardable", "--skip-upstream", "--repeats", "2"]
     assert benchmark.main(argv) == 0
-    assert sides == ["fork", "fork"]
+    assert [implementation for implementation, _, _ in jobs] == ["fork", "fork"]
     printed = capsys.readouterr().out
     assert "upstream  not run" in printed and "fork" in printed
-    folder = os.path.join("tree", "megatron", "core", "optimizer")
+    folder = os.path.join("installed", "megatron", "core", "optimizer")
     assert f"fork modules from: {folder}\n" in printed and "upstream modules" not in printed
+
+
+def test_load_memory_fork_tree_loads_with_that_tree_s_modules_in_turn(
+    monkeypatch, capsys, tmp_path
+):
+    """``--fork-tree PATH`` adds a side whose jobs (and only theirs) are told to take the fork's
+    modules from PATH, alternating with the fork's own; the table has a row for it and names
+    the folder its modules came from."""
+    benchmark, jobs = _load_memory_without_gpu(monkeypatch, "load_memory_fork_tree")
+    tree = tmp_path / "before"
+    (tree / "megatron" / "core" / "optimizer").mkdir(parents=True)
+    argv = ["--rows", "bf16-dp_reshardable", "--skip-upstream", "--repeats", "2"]
+    assert benchmark.main(argv + ["--fork-tree", str(tree)]) == 0
+    fork, other = ("fork", None, "fork"), ("fork", str(tree), "fork_tree1")
+    assert jobs == [fork, other, other, fork]
+    assert tool.FORK_TREE_ENV not in os.environ
+    printed = capsys.readouterr().out
+    side = f"fork@{tree}"
+    assert f"\n  {side} " in printed
+    assert f"{side} modules from: {tree / 'megatron' / 'core' / 'optimizer'}\n" in printed
+    folder = os.path.join("installed", "megatron", "core", "optimizer")
+    assert f"fork modules from: {folder}\n" in printed
+    with pytest.raises(SystemExit):
+        benchmark.main(argv + ["--fork-tree", str(tmp_path / "nothing")])
+
+
+def test_a_job_told_a_fork_tree_imports_the_fork_s_modules_from_it(tmp_path):
+    """The worker routes ``megatron.core.optimizer`` to the tree's ``megatron/`` folder when
+    the environment names one, and proves it did."""
+    tree = tmp_path / "tree"
+    shutil.copytree(_fork_tools.REPO_ROOT / "megatron", tree / "megatron")
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from resume_harness.worker import select_implementation; "
+        "print(select_implementation('fork'))"
+    )
+    env = dict(os.environ, **{tool.FORK_TREE_ENV: str(tree)})
+    env.pop("MEGATRON_OPTIMIZER_FORK", None)
+    found = subprocess.run(
+        [sys.executable, "-c", script, str(_fork_tools.REPO_ROOT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert found == str((tree / "megatron/core/optimizer/distrib_optimizer.py").resolve())
 
 
 def test_load_memory_repeats_alternate_and_report_the_median_load_time(monkeypatch):
