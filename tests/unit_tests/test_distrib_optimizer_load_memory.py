@@ -61,7 +61,7 @@ def _needs_gradients_for_state(optimizer):
     gradients: TE FusedAdam creates it for every parameter it visits, and torch's Adam and
     AdamW have theirs allocated directly; any other optimizer needs them."""
     try:  # the fork's contract; upstream 0.19.2 has none
-        from megatron.core.optimizer.inner_optimizer_state import STATE_BY_EXAMPLE as direct
+        from megatron.core.optimizer.optimizer_state_creation import STATE_BY_EXAMPLE as direct
     except ImportError:
         direct = ()
     for dist in tool.distributed_optimizers(optimizer):

@@ -15,8 +15,9 @@ FusedAdamDouble = optimizer_table.sibling("optimizer_doubles").FusedAdamDouble
 
 # The contract exists only in the fork; with the overlay off there is nothing to test.
 _contract = pytest.importorskip("megatron.core.optimizer.inner_optimizer_state")
+_creation = pytest.importorskip("megatron.core.optimizer.optimizer_state_creation")
 InnerOptimizerState = _contract.InnerOptimizerState
-materialise_by_null_step = _contract.materialise_by_null_step
+materialise_by_null_step = _creation.materialise_by_null_step
 
 SHAPES = [(6, 4), (5,), (3, 3)]
 
@@ -192,7 +193,7 @@ def test_null_step_gives_gradients_to_a_bounded_share_of_the_elements_at_a_time(
 
     materialise_by_null_step(optimizer)
 
-    budget = max(-(-sum(sizes) // _contract.NULL_STEP_SHARES), max(sizes))
+    budget = max(-(-sum(sizes) // _creation.NULL_STEP_SHARES), max(sizes))
     assert optimizer.elements_with_grads[0] == 0
     assert len(optimizer.elements_with_grads) > 2
     assert 0 < max(optimizer.elements_with_grads) <= budget
@@ -260,7 +261,7 @@ def test_torch_adam_state_is_created_without_gradients_as_its_null_step_creates_
     del optimizer.step
 
     reference_params, reference = build()
-    monkeypatch.setattr(_contract, "STATE_BY_EXAMPLE", ())
+    monkeypatch.setattr(_creation, "STATE_BY_EXAMPLE", ())
     materialise_by_null_step(reference)
     monkeypatch.undo()
     for param, reference_param in zip(params, reference_params):
@@ -295,7 +296,7 @@ def test_settings_that_build_no_example_fall_back_to_the_null_step(monkeypatch):
     monkeypatch.setattr(torch.optim.AdamW, "__init__", refuses)
     materialise_by_null_step(optimizer)
     monkeypatch.undo()
-    monkeypatch.setattr(_contract, "STATE_BY_EXAMPLE", ())
+    monkeypatch.setattr(_creation, "STATE_BY_EXAMPLE", ())
     materialise_by_null_step(reference)
     for param, reference_param in zip(params, reference_params):
         for key, value in reference.state[reference_param].items():

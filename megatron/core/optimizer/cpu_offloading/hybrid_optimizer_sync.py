@@ -22,7 +22,8 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
     placed,
     plan_step_counts,
 )
-from megatron.core.optimizer.inner_optimizer_state import materialise_by_null_step, step_counter_of
+from megatron.core.optimizer.inner_optimizer_state import step_counter_of
+from megatron.core.optimizer.optimizer_state_creation import materialise_by_null_step
 
 # Constructor options of the hybrid optimizer itself. They live in ``defaults`` (so that
 # ``HybridDeviceOptimizer(params, **opt.defaults)`` rebuilds an equivalent optimizer) but
