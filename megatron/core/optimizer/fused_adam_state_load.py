@@ -36,7 +36,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.core.optimizer.inner_optimizer_state import keeps_param_remainders
+from megatron.core.optimizer.inner_optimizer_state import (
+    MASTER,
+    MOMENT_NAMES,
+    UNSCALED_STORE_DTYPES,
+    keeps_param_remainders,
+)
 
 try:
     from torch.distributed.tensor import DTensor
@@ -49,9 +54,6 @@ ADOPT = "adopt"
 MATERIALISE = "materialise"
 FALLBACK = "fallback"
 KEEP = "keep"
-
-MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
-MASTER_NAME = "master_param"
 
 # Attributes of TE FusedAdam that the adopt and materialise paths rely on.
 REQUIRED_FEATURES = (
@@ -66,8 +68,6 @@ REQUIRED_FEATURES = (
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Parameter dtypes the adopt and materialise paths handle.
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Stored dtypes whose values FusedAdam keeps without a scale factor.
-_UNSCALED_DTYPES = (torch.float32, torch.bfloat16, torch.int16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,13 +307,13 @@ def _is_plain_tensor(tensor: Any) -> bool:
 def _expected_names(optimizer: Any) -> frozenset:
     """Returns the state names a loaded FusedAdam parameter holds."""
     if optimizer.master_weights:
-        return frozenset(MOMENT_NAMES + (MASTER_NAME,))
+        return frozenset(MOMENT_NAMES + (MASTER,))
     return frozenset(MOMENT_NAMES)
 
 
 def _stores_remainders(optimizer: Any, param: torch.Tensor, name: str) -> bool:
     """Tells whether ``name`` of ``param`` is kept as the int16 remainders of a bf16 param."""
-    return name == MASTER_NAME and keeps_param_remainders(optimizer, param)
+    return name == MASTER and keeps_param_remainders(optimizer, param)
 
 
 def _stored_dtype(optimizer: Any, param: torch.Tensor, name: str) -> torch.dtype:
@@ -528,7 +528,7 @@ def _set_one_state(
     stored = _stored_dtype(optimizer, param, name)
     needs_scale = optimizer.name_to_dtype_map[name] != torch.float32
     reusable = (
-        stored in _UNSCALED_DTYPES
+        stored in UNSCALED_STORE_DTYPES
         and value.dtype == stored
         and value.device == param.device
         and value.is_contiguous()
@@ -546,7 +546,7 @@ def _set_one_state(
     optimizer._initialize_state(param, name, False, remainders)
     # set_scaled_state copies across devices itself, so only the dtype is converted here.
     source = value if remainders else value.float()
-    if source is value and needs_scale and stored not in _UNSCALED_DTYPES and not owned:
+    if source is value and needs_scale and stored not in UNSCALED_STORE_DTYPES and not owned:
         if value.device == param.device:
             # Scaling divides its input in place; the caller's tensor is left as it was.
             source = value.clone()

@@ -22,10 +22,13 @@ from megatron.core.optimizer.optimizer_state_creation import materialise_by_null
 MASTER = "master_param"
 """State key of an fp32 master copy kept by the inner optimizer."""
 
+MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
+"""State keys of Adam's per-parameter moments, in the order the fused kernels take them."""
 
-# Live state dtypes that TE FusedAdam stores an unscaled fp32 value into by a plain cast: a
-# checkpoint read can land in them directly.
-_CAST_ON_STORE = (torch.float32, torch.bfloat16, torch.int16)
+
+UNSCALED_STORE_DTYPES = (torch.float32, torch.bfloat16, torch.int16)
+"""Live state dtypes that TE FusedAdam keeps without a scale factor, storing an fp32 value into
+them by a plain cast: a checkpoint read can land in them directly."""
 # Elements per host scaling pass: an fp16 staging buffer of 8 MiB, reused for every piece.
 HOST_SCALE_CHUNK = 1 << 22
 
@@ -97,7 +100,7 @@ class InnerOptimizerState:
     scaled = False
     """Whether state is read and written unscaled through the optimizer's own accessors."""
 
-    def __new__(cls, optimizer=None, state_keys=("exp_avg", "exp_avg_sq"), precision_aware=False):
+    def __new__(cls, optimizer=None, state_keys=MOMENT_NAMES, precision_aware=False):
         # pylint: disable=unused-argument
         if cls is InnerOptimizerState:
             cls = kind_of(optimizer, precision_aware)
@@ -106,7 +109,7 @@ class InnerOptimizerState:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        state_keys: Sequence[str] = ("exp_avg", "exp_avg_sq"),
+        state_keys: Sequence[str] = MOMENT_NAMES,
         precision_aware: bool = False,
     ):
         self.optimizer = optimizer
@@ -408,7 +411,7 @@ class ScaledFusedAdamState(InnerOptimizerState):
                     f"shape {tuple(param.shape)}; materialise the state before loading it"
                 )
             if (
-                type(live) is torch.Tensor and live.dtype in _CAST_ON_STORE
+                type(live) is torch.Tensor and live.dtype in UNSCALED_STORE_DTYPES
             ):  # pylint: disable=unidiomatic-typecheck
                 targets[key] = live
             else:

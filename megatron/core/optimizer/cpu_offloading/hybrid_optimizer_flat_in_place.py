@@ -35,7 +35,6 @@ from typing import List, Optional, Set, Tuple
 import torch
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
-    MOMENT_NAMES,
     PLAIN_TENSORS,
     RunLayout,
     create_laid_out_state,
@@ -45,6 +44,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
     state_entries,
     tensor_marks,
 )
+from megatron.core.optimizer.inner_optimizer_state import MOMENT_NAMES
 
 # The optimizer classes the flat step drives, by module and name (no import of TE here):
 # Transformer Engine's FusedAdam. A class belongs here only if its step is elementwise over each

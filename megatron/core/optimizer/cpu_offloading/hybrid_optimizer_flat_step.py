@@ -37,7 +37,6 @@ from typing import List, Optional, Tuple
 import torch
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
-    MOMENT_NAMES,
     adam_kernel,
     fused_kernel_settings,
     hooked,
@@ -46,6 +45,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
     tensor_marks,
     typed_view,
 )
+from megatron.core.optimizer.inner_optimizer_state import MOMENT_NAMES
 
 # Bytes of one cache line: the kernel's unit of work and, at most, its vector width.
 _LINE_BYTES = 64

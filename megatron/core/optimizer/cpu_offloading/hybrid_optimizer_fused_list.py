@@ -29,7 +29,6 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
-    MOMENT_NAMES,
     PLAIN_TENSORS,
     RunLayout,
     adam_kernel,
@@ -42,6 +41,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
     state_entries,
     tensor_marks,
 )
+from megatron.core.optimizer.inner_optimizer_state import MOMENT_NAMES
 
 # torch's own Adam classes, whose fused step is one kernel call over each group's lists.
 FUSED_TORCH_CLASSES = (torch.optim.Adam, torch.optim.AdamW)

@@ -19,8 +19,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 from torch.optim import optimizer as _torch_optimizer
 
-# The per-parameter moments of Adam, in the order the fused kernels take them.
-MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
+from megatron.core.optimizer.inner_optimizer_state import MOMENT_NAMES
 
 # Tensor types whose memory runs are taken of (subclasses such as DTensor are left to TE).
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

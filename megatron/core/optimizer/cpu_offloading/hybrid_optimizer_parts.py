@@ -25,13 +25,13 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_kernels import (
-    MOMENT_NAMES,
     adam_kernel,
     fused_kernel_settings,
     hooked,
     scaled,
     share_memory,
 )
+from megatron.core.optimizer.inner_optimizer_state import MOMENT_NAMES
 
 # Part sizes and bounds are multiples of this many bytes (a multiple of any vector width).
 PART_ALIGN_BYTES = 64 << 10

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-MASTER = "master_param"
+from megatron.core.optimizer.inner_optimizer_state import MASTER
 
 
 def home_of(
