@@ -77,13 +77,14 @@ def fork_class(tree=None):
     if tree is not None:
         import megatron_optimizer_fork as overlay
 
-        root = os.path.abspath(tree)
-        if not os.path.isdir(os.path.join(root, "megatron", "core", "optimizer")):
-            raise SystemExit(f"--fork-tree {tree}: no megatron/core/optimizer there")
-        overlay.fork_root = lambda: root  # the overlay's finder asks for it at each import
+        try:
+            overlay.serve_from(tree)
+        except ValueError as error:
+            raise SystemExit(f"--fork-tree {error}") from None
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     assert getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), "overlay is off"
+    root = os.path.abspath(tree or "")
     if tree is not None and not os.path.abspath(hybrid_optimizer.__file__).startswith(root):
         raise SystemExit(f"--fork-tree {tree}: the fork came from {hybrid_optimizer.__file__}")
     return hybrid_optimizer.HybridDeviceOptimizer

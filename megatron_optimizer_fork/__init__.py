@@ -47,6 +47,8 @@ OVERLAID_PACKAGES = ("megatron.core.optimizer", "megatron.core.optimizer.cpu_off
 
 _VERSION_CHECKED_PACKAGE = "megatron.core.optimizer"
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# The checkout whose ``megatron/`` folder serve_from() chose for this process, if any.
+_SERVED = {}
 
 
 def is_enabled():
@@ -69,6 +71,8 @@ def fork_root():
     Returns:
         str: Absolute path of the folder that contains the fork's ``megatron`` folder.
     """
+    if "root" in _SERVED:
+        return _SERVED["root"]
     overlay = os.path.join(_PACKAGE_DIR, "_overlay")
     if os.path.isdir(overlay):
         return overlay
@@ -78,6 +82,24 @@ def fork_root():
     ):
         return checkout
     return overlay
+
+
+def serve_from(checkout):
+    """Serves the fork's modules from the ``megatron/`` folder of another checkout in this
+    process, so that one commit's code can be measured against another's (each in its own
+    process). Modules imported before the call stay as they are: call it before anything
+    imports ``megatron.core.optimizer``.
+
+    Args:
+        checkout (str): a folder holding ``megatron/core/optimizer``.
+
+    Raises:
+        ValueError: ``checkout`` holds no ``megatron/core/optimizer`` folder.
+    """
+    root = os.path.abspath(checkout)
+    if not os.path.isdir(os.path.join(root, "megatron", "core", "optimizer")):
+        raise ValueError(f"{checkout}: no megatron/core/optimizer there")
+    _SERVED["root"] = root
 
 
 def fork_package_dir(name):

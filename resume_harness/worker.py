@@ -35,10 +35,10 @@ def select_implementation(implementation):
     else:
         tree = os.environ.get(FORK_TREE_ENV)
         if tree:
-            root = os.path.abspath(tree)
-            if not os.path.isdir(os.path.join(root, "megatron", "core", "optimizer")):
-                raise SystemExit(f"{FORK_TREE_ENV}={tree}: no megatron/core/optimizer there")
-            overlay.fork_root = lambda: root  # the overlay's finder asks for it at each import
+            try:
+                overlay.serve_from(tree)
+            except ValueError as error:
+                raise SystemExit(f"{FORK_TREE_ENV}={error}") from None
         overlay.install()
     module = importlib.import_module(MODULE)
     path = Path(module.__file__).resolve()

@@ -199,6 +199,23 @@ def test_finder_puts_fork_folder_first(monkeypatch):
     assert len(child.submodule_search_locations) == 2
 
 
+def test_serve_from_points_the_finder_at_another_checkout(monkeypatch, tmp_path):
+    """``serve_from`` makes the finder put another checkout's folder first (how a benchmark
+    times one commit's modules against another's); a folder without the modules is refused
+    and changes nothing."""
+    monkeypatch.delenv(fork.ENV_VAR, raising=False)
+    monkeypatch.setattr(fork, "_SERVED", {})  # this process's choice, undone after the test
+    installed = fork.fork_root()
+    with pytest.raises(ValueError, match="no megatron/core/optimizer"):
+        fork.serve_from(str(tmp_path))
+    assert fork.fork_root() == installed
+    other = tmp_path / "other"
+    (other / "megatron" / "core" / "optimizer").mkdir(parents=True)
+    fork.serve_from(str(other))
+    parent = fork.ForkOverlayFinder().find_spec("megatron.core.optimizer", _core_search_path())
+    assert parent.submodule_search_locations[0] == str(other / "megatron" / "core" / "optimizer")
+
+
 def test_finder_steps_aside_when_switched_off(monkeypatch):
     """With the switch off the finder answers None, so upstream's own spec is used."""
     monkeypatch.setenv(fork.ENV_VAR, "0")

@@ -29,6 +29,7 @@ MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
 UNSCALED_STORE_DTYPES = (torch.float32, torch.bfloat16, torch.int16)
 """Live state dtypes that TE FusedAdam keeps without a scale factor, storing an fp32 value into
 them by a plain cast: a checkpoint read can land in them directly."""
+
 # Elements per host scaling pass: an fp16 staging buffer of 8 MiB, reused for every piece.
 HOST_SCALE_CHUNK = 1 << 22
 

@@ -14,14 +14,13 @@ import torch
 
 from megatron.core.optimizer import state_load_checks as checks
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_state import (
-    MASTER,
     ParamState,
     StateMap,
     home_of,
     placed,
     plan_step_counts,
 )
-from megatron.core.optimizer.inner_optimizer_state import MOMENT_NAMES, step_counter_of
+from megatron.core.optimizer.inner_optimizer_state import MASTER, MOMENT_NAMES, step_counter_of
 from megatron.core.optimizer.optimizer_state_creation import materialise_by_null_step
 
 # Constructor options of the hybrid optimizer itself. They live in ``defaults`` (so that
