@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Copyright (c) 2026, Megatron optimizer fork contributors. All rights reserved.
 #
-# Writes the fork's megatron/ folder of a commit into .ab/<name>, for benchmarks/hdo_step.py
-# --fork-tree (the step of that commit timed in the same run as the working tree's). .ab/ is
-# kept out of git (.git/info/exclude); carry it to a device machine by name.
+# Writes the fork's megatron/ folder of a commit into .ab/<name>, for the --fork-tree option of
+# benchmarks/hdo_step.py and benchmarks/load_memory.py (that commit's step or load measured in
+# the same run as the working tree's). .ab/ is kept out of git (.git/info/exclude).
 #
 #   scripts/fork_tree.sh d28ac46            # -> .ab/d28ac46
 #   scripts/fork_tree.sh HEAD~3 base        # -> .ab/base
