@@ -7,11 +7,15 @@ the cells it runs. :func:`run_world` spawns it (``torch.multiprocessing``, one p
 gloo on CPU or NCCL on GPUs, see :mod:`resume_harness.cpu_world`) and returns
 ``{cell key: None or the first rank's error}``. Worlds share a checkpoint folder: a world saves
 every cell at its data-parallel size, and a later world of another size loads what earlier
-worlds saved (``from-dp<M>`` cells), so that resharding is tested between real worlds.
+worlds saved (``from-dp<M>`` cells), so that resharding is tested between real worlds. A world
+may import the fork's modules of another checkout (``fork_tree``) and load what worlds of this
+checkout saved, or the other way round (``saved_by``), so that checkpoints are tested between
+two versions of the fork.
 
 Cell keys: ``<impl>-dp<N>[-tp<T>]-<cell>-resume`` and ``...-save`` (save, resume at the
-same size), ``...-from-dp<M>`` (saved at M, loaded at N), ``...-fault-<fault>`` (see
-:mod:`resume_harness.multirank_faults`).
+same size), ``...-from-dp<M>`` (saved at M, loaded at N), ``...-from-<impl>-dp<M>`` (saved by
+the worlds of ``<impl>``), ``...-fault-<fault>`` (see :mod:`resume_harness.multirank_faults`).
+``<impl>`` is ``fork``, ``upstream`` or ``fork@<folder>`` (the fork of checkout ``<folder>``).
 """
 
 import dataclasses
@@ -26,7 +30,7 @@ import torch
 
 from . import multirank_cells
 from .cpu_world import World, quiet
-from .worker import select_implementation
+from .worker import FORK_TREE_ENV, select_implementation
 
 FORK_ENV = "MEGATRON_OPTIMIZER_FORK"
 
@@ -45,6 +49,10 @@ class WorldSpec:
         load_from: data-parallel sizes whose checkpoints (saved by earlier worlds) it loads.
         faults: names of :data:`~resume_harness.multirank_faults.FAULTS` to inject.
         timeout_s: collective timeout of the ranks.
+        fork_tree: a checkout whose ``megatron/`` folder serves the fork's modules in this world
+            (another version of the fork); empty: the installed overlay's.
+        saved_by: the :attr:`implementation_tag` of the worlds whose checkpoints ``load_from``
+            reads; empty: this world's own.
     """
 
     size: int
@@ -56,6 +64,24 @@ class WorldSpec:
     load_from: Tuple[int, ...] = ()
     faults: Tuple[str, ...] = ()
     timeout_s: int = 180
+    fork_tree: str = ""
+    saved_by: str = ""
+
+    @property
+    def implementation_tag(self):
+        """``fork``, ``upstream``, or ``fork@<folder name>`` where ``fork_tree`` is given."""
+        if self.fork_tree:
+            return f"fork@{Path(self.fork_tree).name}"
+        return self.implementation
+
+    def source_tag(self, size):
+        """The tag of the world whose checkpoints of data-parallel size ``size`` it loads."""
+        return f"{self.saved_by or self.implementation_tag}-dp{size}"
+
+    def load_key(self, size):
+        """The key fragment of a load of size ``size``: ``from-dp<size>``, naming the saving
+        implementation where it is another one (``from-fork@<folder>-dp<size>``)."""
+        return f"from-{self.saved_by}-dp{size}" if self.saved_by else f"from-dp{size}"
 
     @property
     def data_parallel(self):
@@ -67,7 +93,7 @@ class WorldSpec:
         """e.g. ``fork-dp4`` or ``upstream-dp2-tp2``: the prefix of the world's cell keys."""
         tail = f"-tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
         tail += "" if self.save else "-loads"
-        return f"{self.implementation}-dp{self.data_parallel}{tail}"
+        return f"{self.implementation_tag}-dp{self.data_parallel}{tail}"
 
 
 def free_port():
@@ -86,6 +112,8 @@ def _rank_main(rank, spec, root, port):
     quiet()
     if spec.implementation == "upstream":
         os.environ[FORK_ENV] = "0"
+    if spec.fork_tree:
+        os.environ[FORK_TREE_ENV] = spec.fork_tree
     verdicts = {}
     try:
         select_implementation(spec.implementation)

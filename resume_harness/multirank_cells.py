@@ -2,13 +2,14 @@
 """The cells a rank of a spawned world runs, in order, and their verdicts.
 
 For each family of cells (dtype, offload fraction, experts) one uninterrupted run trains, saves
-every format of the family, and goes on; its snapshot is the reference of every cell of the
-family. Then, per format: ``resume`` loads this world's checkpoint into a fresh model and
-optimizer, trains on and compares; ``from-dp<M>`` loads what a world of data-parallel size M
-saved: a format that reshards must give the saved state in model space element for element and
-then the uninterrupted run; a format that cannot must be refused, naming both sizes, with
-nothing changed (in the fork every format of :data:`RESHARDING_FORMATS` reshards, so this
-path serves a format added later). Faults (:mod:`resume_harness.multirank_faults`) run last.
+every format of the family, and goes on; its snapshot is the reference of every cell of the family.
+Then, per format: ``resume`` loads this world's checkpoint into a fresh model and optimizer, trains
+on and compares; ``from-dp<M>`` loads what a world of data-parallel size M saved
+(``from-<impl>-dp<M>``: a world of another version of the fork), at this world's size as a resume,
+at another size as follows: a format that reshards must give the saved state in model space element
+for element and then the uninterrupted run; a format that cannot must be refused, naming both sizes,
+with nothing changed (in the fork every format of :data:`RESHARDING_FORMATS` reshards, so this path
+serves a format added later). Faults (:mod:`resume_harness.multirank_faults`) run last.
 
 Every verdict is None (passed) or the error text; a cell's exception does not end the rank, but
 a collective left half-done by one rank can hang the others until the world's timeout.
@@ -147,11 +148,14 @@ def _loads(world, spec, root, cell, reference):
         found["resume"] = _verdict(_resume, world, spec, cell, own, reference)
         world.barrier()
     for size in spec.load_from:
-        folder = checkpoint_folder(root, f"{spec.implementation}-dp{size}", cell)
-        if cell.case.fmt in RESHARDING_FORMATS:
-            found[f"from-dp{size}"] = _verdict(_reshard, world, spec, cell, folder, reference)
+        folder = checkpoint_folder(root, spec.source_tag(size), cell)
+        if size == spec.data_parallel:
+            body = _resume, world, spec, cell, folder, reference
+        elif cell.case.fmt in RESHARDING_FORMATS:
+            body = _reshard, world, spec, cell, folder, reference
         else:
-            found[f"from-dp{size}"] = _verdict(_refused, world, spec, cell, folder, size)
+            body = _refused, world, spec, cell, folder, size
+        found[spec.load_key(size)] = _verdict(*body)
         world.barrier()
     return found
 
@@ -167,7 +171,7 @@ def _run_family(world, spec, root, cells, verdicts):
             for kind in ("save", "resume") if spec.save else ():
                 verdicts.setdefault(f"{spec.tag}-{cell.name}-{kind}", problem)
             for size in spec.load_from:
-                verdicts[f"{spec.tag}-{cell.name}-from-dp{size}"] = problem
+                verdicts[f"{spec.tag}-{cell.name}-{spec.load_key(size)}"] = problem
         return
     release_host()
     for cell in cells:

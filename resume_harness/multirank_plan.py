@@ -8,6 +8,8 @@ fraction, DP 8 (it loads DP 2's checkpoints, DP 4 loads DP 8's, and a second DP 
 both larger sizes'), TP 2 x DP 2, faults at 8, and upstream 0.19.2 in every world.
 """
 
+from dataclasses import replace
+
 from .cases import Case
 from .multirank import WorldSpec
 from .multirank_faults import FAULT_FORMATS, fault_keys
@@ -63,9 +65,25 @@ def worlds(full, device="cpu", max_world=None):
     ]
 
 
-def _with_loads(spec, loads):
-    from dataclasses import replace  # pylint: disable=import-outside-toplevel
+def across_versions(tree, families=SLICE_FAMILIES, device="cpu"):
+    """The worlds in which this checkout's fork and that of checkout ``tree`` load each other's
+    checkpoints, with their verdict keys: each saves every format of ``families`` at DP 2 (and
+    resumes its own), then each loads what the other saved, at DP 2 and at DP 4."""
+    matrix = cells(families)
+    other = WorldSpec(2, matrix, device=device, fork_tree=tree)
+    this = WorldSpec(2, matrix, device=device)
+    plan = [other, this]
+    for loader, saver in ((this, other), (other, this)):
+        for size in (2, 4):
+            plan.append(
+                replace(
+                    loader, size=size, save=False, saved_by=saver.implementation_tag, load_from=(2,)
+                )
+            )
+    return [(spec, keys(spec, spec.load_from)) for spec in plan]
 
+
+def _with_loads(spec, loads):
     return replace(spec, load_from=loads)
 
 
@@ -76,5 +94,5 @@ def keys(spec, loads):
         prefix = f"{spec.tag}-{cell.name}"
         if spec.save:
             found += [f"{prefix}-save", f"{prefix}-resume"]
-        found += [f"{prefix}-from-dp{size}" for size in loads]
+        found += [f"{prefix}-{spec.load_key(size)}" for size in loads]
     return found + fault_keys(spec.tag, spec.faults)
