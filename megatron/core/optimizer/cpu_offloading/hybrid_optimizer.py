@@ -56,6 +56,7 @@ from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_pending import Step
 # pylint: disable-next=unused-import
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer_plan import (
     HostPlan,
+    bucket_optimizers,
     pinned_block_bytes,
     plan_host,
     plan_pinned_host_memory,
@@ -570,15 +571,9 @@ class HybridDeviceOptimizer(
 
     @staticmethod
     def build_cpu_optimizer_list(cpu_optimizer_cls, cpu_param_groups, bucket_bytes: int = 0):
-        """Build the host optimizers that overlap their steps with the copies.
-
-        Each optimizer steps a run of consecutive parameters of one group that, laid out as
-        their gradients are staged (each at a ``GRAD_ALIGN`` boundary), fit in
-        ``bucket_bytes``, so it can start as soon as its gradients have landed while small
-        parameters share one call. Parameters already on the host are counted too, though
-        they stage nothing, so a bucket's staged bytes never exceed the cap. A parameter
-        larger than that has an optimizer of its own. With the default 0 every parameter has
-        its own, as upstream builds them.
+        """Build the host optimizers, each over a run of parameters that fits ``bucket_bytes``
+        as staged, so that their steps overlap the copies (see
+        :func:`~hybrid_optimizer_plan.bucket_optimizers`; 0: one per parameter, as upstream).
 
         Args:
             cpu_optimizer_cls (Type[torch.optim.Optimizer]): the host optimizer class.
@@ -588,23 +583,7 @@ class HybridDeviceOptimizer(
         Returns:
             List[torch.optim.Optimizer]: the optimizers, in group and parameter order.
         """
-        optimizers = []
-        for group in cpu_param_groups:
-            params = group["params"]
-            if isinstance(params, torch.Tensor):
-                params = [params]
-            settings = {k: v for k, v in group.items() if k != "params"}
-            bucket, end = [], 0
-            for param in params:
-                offset = staged_offset(end)
-                if bucket and (bucket_bytes <= 0 or offset + tensor_nbytes(param) > bucket_bytes):
-                    optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
-                    bucket, offset = [], 0
-                bucket.append(param)
-                end = offset + tensor_nbytes(param)
-            if bucket:
-                optimizers.append(cpu_optimizer_cls([{**settings, "params": bucket}]))
-        return optimizers
+        return bucket_optimizers(cpu_optimizer_cls, cpu_param_groups, bucket_bytes)
 
     @staticmethod
     def _make_streams():

@@ -236,6 +236,35 @@ class HostPlan:
         return sum(nbytes for (_, nbytes), pin in zip(self.units, self.pinned) if not pin)
 
 
+def bucket_optimizers(
+    optimizer_cls: type, param_groups: Sequence[Dict[str, Any]], bucket_bytes: int = 0
+) -> List[torch.optim.Optimizer]:
+    """The host sub-optimizers: one for each run of consecutive parameters of a group that,
+    laid out as their gradients are staged (each at a ``GRAD_ALIGN`` boundary), fit in
+    ``bucket_bytes``, so that each can start once its gradients have landed while small
+    parameters share one call. Parameters already on the host count too, though they stage
+    nothing, so a bucket's staged bytes never exceed the cap; a parameter larger than the cap
+    gets an optimizer of its own, and so does every parameter with ``bucket_bytes`` 0 (as
+    upstream builds them). In group and parameter order."""
+    optimizers = []
+    for group in param_groups:
+        params = group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        settings = {k: v for k, v in group.items() if k != "params"}
+        bucket, end = [], 0
+        for param in params:
+            offset = staged_offset(end)
+            if bucket and (bucket_bytes <= 0 or offset + tensor_nbytes(param) > bucket_bytes):
+                optimizers.append(optimizer_cls([{**settings, "params": bucket}]))
+                bucket, offset = [], 0
+            bucket.append(param)
+            end = offset + tensor_nbytes(param)
+        if bucket:
+            optimizers.append(optimizer_cls([{**settings, "params": bucket}]))
+    return optimizers
+
+
 def lay_out_buckets(
     optimizers: Iterable[torch.optim.Optimizer],
     param_of: Dict[torch.Tensor, torch.Tensor],
