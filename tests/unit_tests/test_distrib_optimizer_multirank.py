@@ -61,6 +61,11 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 if DEVICE == "cpu" and cpu_world_problem():
     pytest.skip(cpu_world_problem(), allow_module_level=True)
 
+if FORK_TREE and not os.path.isdir(os.path.join(FORK_TREE, "megatron", "core", "optimizer")):
+    raise ValueError(
+        f"MULTIRANK_FORK_TREE={FORK_TREE}: no megatron/core/optimizer there "
+        "(scripts/fork_tree.sh <commit> writes one to .ab/<commit>)"
+    )
 if FORK_TREE:
     PLAN = across_versions(FORK_TREE, FULL_FAMILIES if FULL else SLICE_FAMILIES, DEVICE)
 else:
