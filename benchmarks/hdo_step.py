@@ -74,9 +74,9 @@ def fork_class(tree=None):
     """The fork's HybridDeviceOptimizer as ``megatron.core`` resolves it, or from the
     ``megatron/`` folder of checkout ``tree`` (in a worker, before anything imported it)."""
     # pylint: disable=import-outside-toplevel
-    if tree is not None:
-        import megatron_optimizer_fork as overlay
+    import megatron_optimizer_fork as overlay
 
+    if tree is not None:
         try:
             overlay.serve_from(tree)
         except ValueError as error:
@@ -84,8 +84,8 @@ def fork_class(tree=None):
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
     assert getattr(hybrid_optimizer, "FORK_IMPLEMENTATION", False), "overlay is off"
-    root = os.path.abspath(tree or "")
-    if tree is not None and not os.path.abspath(hybrid_optimizer.__file__).startswith(root):
+    served = os.path.abspath(hybrid_optimizer.__file__)
+    if tree is not None and not served.startswith(overlay.fork_root()):
         raise SystemExit(f"--fork-tree {tree}: the fork came from {hybrid_optimizer.__file__}")
     return hybrid_optimizer.HybridDeviceOptimizer
 

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+import megatron_optimizer_fork as overlay
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import resume_harness as distopt_resume  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -377,8 +379,10 @@ def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     for tree in args.fork_tree:
-        if not os.path.isdir(os.path.join(tree, "megatron", "core", "optimizer")):
-            parser.error(f"--fork-tree {tree}: no megatron/core/optimizer there")
+        try:
+            overlay.fork_checkout(tree)
+        except ValueError as error:
+            parser.error(f"--fork-tree {error}")
     # Both read by every load job (they inherit this environment).
     os.environ[distopt_resume.PAGE_CACHE_ENV] = "1" if args.page_cache == "warm" else "0"
     if args.profile:

@@ -96,10 +96,25 @@ def serve_from(checkout):
     Raises:
         ValueError: ``checkout`` holds no ``megatron/core/optimizer`` folder.
     """
+    _SERVED["root"] = fork_checkout(checkout)
+
+
+def fork_checkout(checkout):
+    """Checks that a folder holds a fork's modules, as :func:`serve_from` needs, changing nothing.
+
+    Args:
+        checkout (str): a folder that should hold ``megatron/core/optimizer``.
+
+    Returns:
+        str: its absolute path.
+
+    Raises:
+        ValueError: ``checkout`` holds no ``megatron/core/optimizer`` folder.
+    """
     root = os.path.abspath(checkout)
     if not os.path.isdir(os.path.join(root, "megatron", "core", "optimizer")):
         raise ValueError(f"{checkout}: no megatron/core/optimizer there")
-    _SERVED["root"] = root
+    return root
 
 
 def fork_package_dir(name):

@@ -41,6 +41,7 @@ pytest.importorskip("megatron.core.optimizer.distrib_optimizer_formats")
 # The harness lives beside tests/ in this repository; a vendored tree has none.
 pytest.importorskip("resume_harness.multirank", reason="needs the repository's resume_harness")
 
+import megatron_optimizer_fork  # noqa: E402  pylint: disable=wrong-import-position
 import resume_harness  # noqa: E402  pylint: disable=wrong-import-position
 from resume_harness.cpu_world import cpu_world_problem  # noqa: E402  pylint: disable=C0413
 from resume_harness.multirank import run_world  # noqa: E402  pylint: disable=wrong-import-position
@@ -61,12 +62,13 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 if DEVICE == "cpu" and cpu_world_problem():
     pytest.skip(cpu_world_problem(), allow_module_level=True)
 
-if FORK_TREE and not os.path.isdir(os.path.join(FORK_TREE, "megatron", "core", "optimizer")):
-    raise ValueError(
-        f"MULTIRANK_FORK_TREE={FORK_TREE}: no megatron/core/optimizer there "
-        "(scripts/fork_tree.sh <commit> writes one to .ab/<commit>)"
-    )
 if FORK_TREE:
+    try:
+        megatron_optimizer_fork.fork_checkout(FORK_TREE)
+    except ValueError as error:
+        raise ValueError(
+            f"MULTIRANK_FORK_TREE={error} (scripts/fork_tree.sh <commit> writes one)"
+        ) from None
     PLAN = across_versions(FORK_TREE, FULL_FAMILIES if FULL else SLICE_FAMILIES, DEVICE)
 else:
     PLAN = worlds(FULL, DEVICE, MAX_WORLD)
